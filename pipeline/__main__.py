@@ -1,0 +1,87 @@
+"""Phoenix command line.
+
+    python -m pipeline <stage> --config FILE [--artifacts DIR] [--set key.path=value ...]
+
+Stages: split, distill, serve, demo. Exit codes are in errors.py and the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from . import errors
+from .config import Config, dump_config, load_config
+from .workspace import Workspace, atomic_write_text
+
+log = logging.getLogger("pipeline")
+
+STAGES = ["split", "serve", "demo"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("stage", choices=STAGES)
+    p.add_argument("--config", default="configs/default.yaml", help="YAML config file")
+    p.add_argument("--artifacts", default="artifacts", help="root of every output")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set data.train_size=100 (repeatable)")
+    p.add_argument("--host", help="serve: address to bind (default from config: 127.0.0.1)")
+    p.add_argument("--port", type=int, help="serve: port (default from config)")
+    p.add_argument("--mode", help="serve: target | fixed:K | bandit (default from config)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return p
+
+
+def run_stage(stage: str, cfg: Config, ws: Workspace, args: argparse.Namespace) -> None:
+    """Log the resolved config, run the stage, then store the config beside its outputs (only
+    on success, so a failed run never relabels the outputs of an earlier good one)."""
+    text = dump_config(cfg)
+    if stage != "demo":
+        log.info("%s: resolved config:\n%s", stage, text.rstrip())
+    if stage == "split":
+        from . import split
+
+        split.run(cfg, ws)
+        atomic_write_text(ws.data / "config.yaml", text)
+    elif stage == "distill":
+        from . import teacher
+
+        teacher.run(cfg, ws)
+        atomic_write_text(ws.teacher / "config.yaml", text)
+    elif stage == "serve":
+        from . import server
+
+        server.serve(cfg, ws, args.host, args.port, args.mode)
+    elif stage == "demo":
+        for s in ("split",):
+            log.info("=== demo: %s ===", s)
+            run_stage(s, cfg, ws, args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    for noisy in ("httpx", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        ws = Workspace(args.artifacts)
+        run_stage(args.stage, cfg, ws, args)
+        return errors.EXIT_OK
+    except errors.PhoenixError as exc:
+        log.error("%s", exc)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        log.error("interrupted")
+        return errors.EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""Typed configuration: YAML files whose keys are exactly these field names.
+
+Unknown keys and wrong types are errors that name the key and the file. Secrets never live
+here: fields ending in `_env` name the environment variable that holds them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import ConfigError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelsConfig(Section):
+    target: str = Field(
+        "embedded:smollm2-135m-instruct",
+        description="Hub id, local directory, `embedded:smollm2-135m-instruct`, or "
+        "`tiny:key=value,...` (random test model).",
+    )
+    draft: str = Field(
+        "cut:4",
+        description="Same spec forms as target, or `cut:N` (the target's first N decoder "
+        "layers) or `cut:0,2,4` (those layers).",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: bfloat16 on a GPU, float32 on the CPU."
+    )
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    served_name: str | None = Field(
+        None, description="Model id the server lists; default: the target spec."
+    )
+
+
+class DataConfig(Section):
+    source: str = Field(
+        "../shared/data/mbpp.jsonl",
+        description="MBPP JSONL path (relative paths: to the working directory), or a Hub "
+        "dataset id. The environment variable PHOENIX_MBPP wins over this.",
+    )
+    hub_config: str = "full"
+    seed: int = 42
+    train_size: int = Field(500, ge=1)
+    test_size: int = Field(50, ge=1)
+
+
+class TeacherConfig(Section):
+    url: str = Field("local", description="OpenAI-compatible base URL, or `local`.")
+    model: str | None = Field(None, description="Model id to ask for; default: the target spec.")
+    api_key_env: str = Field("PHOENIX_TEACHER_API_KEY", description="Env var with the API key.")
+    max_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    enable_thinking: bool | None = Field(
+        False, description="Sent as chat_template_kwargs.enable_thinking; null: not sent."
+    )
+    concurrency: int = Field(1, ge=1)
+    ready_timeout_s: float = Field(600.0, gt=0)
+    request_timeout_s: float = Field(300.0, gt=0)
+    max_retries: int = Field(5, ge=0, description="Retries per request.")
+    retry_budget: int = Field(100, ge=0, description="Retries for the whole stage.")
+
+
+class DistillConfig(Section):
+    limit: int | None = Field(None, ge=1, description="Answer only the first N train prompts.")
+
+
+class BanditConfig(Section):
+    arms: list[int] = Field(default_factory=lambda: [0, 2, 4, 6, 8])
+    warmup_pulls: int = Field(2, ge=0, description="Pulls of every arm before the schedule.")
+    epsilon_start: float = Field(0.3, ge=0, le=1)
+    epsilon_floor: float = Field(0.05, ge=0, le=1)
+    epsilon_decay: float = Field(0.97, gt=0, le=1)
+    seed: int = 0
+
+    @field_validator("arms")
+    @classmethod
+    def _arms_valid(cls, arms: list[int]) -> list[int]:
+        if not arms or any(a < 0 for a in arms) or len(set(arms)) != len(arms):
+            raise ValueError("arms must be distinct non-negative integers")
+        return arms
+
+
+class ServerConfig(Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    mode: str = Field("bandit", description="target | fixed:K | bandit")
+    queue_size: int = Field(8, ge=1, description="Requests waiting or running before 429.")
+    api_key_env: str = Field("PHOENIX_API_KEY", description="Env var; when set, bearer auth.")
+    max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens accepted.")
+
+
+class BenchConfig(Section):
+    max_new_tokens: int = Field(128, ge=1)
+    prompts: int | None = Field(None, ge=1, description="Held-out prompts to use; null: all.")
+    fixed_arms: list[int] = Field(default_factory=lambda: [4])
+
+
+class Config(Section):
+    models: ModelsConfig = Field(default_factory=ModelsConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
+    bandit: BanditConfig = Field(default_factory=BanditConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    bench: BenchConfig = Field(default_factory=BenchConfig)
+
+    def resolved(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def _set_path(raw: dict[str, Any], dotted: str, value: Any, origin: str) -> None:
+    keys = dotted.split(".")
+    if not all(keys):
+        raise ConfigError(f"{origin}: bad key path {dotted!r}")
+    node = raw
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{origin}: {dotted!r}: {key!r} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b=value` -> ("a.b", value parsed as YAML, so `3` is an int and `null` is None)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected key.path=value")
+    key, _, value = text.partition("=")
+    try:
+        return key.strip(), yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {text!r}: value is not valid YAML: {exc}") from exc
+
+
+def _format_validation(exc: ValidationError, origin: str) -> str:
+    lines = [f"invalid config in {origin}:"]
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            lines.append(f"  unknown key '{key}'")
+        else:
+            lines.append(f"  '{key}': {err['msg']} (got {err.get('input')!r})")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML config, apply `key.path=value` overrides, validate."""
+    raw: dict[str, Any] = {}
+    origin = "defaults"
+    if path is not None:
+        origin = str(path)
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: top level must be a mapping of sections")
+        raw = loaded
+    for text in overrides or []:
+        key, value = parse_override(text)
+        _set_path(raw, key, value, f"--set {text}")
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        where = origin + (" (with --set overrides)" if overrides else "")
+        raise ConfigError(_format_validation(exc, where)) from None
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.resolved(), sort_keys=False)

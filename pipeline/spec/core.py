@@ -1,0 +1,227 @@
+"""The serving core: engine + tokenizer + bandit, one request at a time.
+
+Shared by the HTTP server (which includes the local teacher) and the benchmark, so a number the
+benchmark measures is a number the server delivers. Knows modes, text and stop strings; knows
+nothing of HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .bandit import Decision, EpsilonGreedy, load_bandit, save_bandit
+from .engine import GenerationResult, SpecEngine
+
+log = logging.getLogger(__name__)
+
+
+class ModeError(ValueError):
+    """A mode string that is malformed or names an arm this core cannot run."""
+
+
+@dataclass(frozen=True)
+class Mode:
+    kind: str  # "target" | "fixed" | "bandit"
+    k: int = 0
+
+    @property
+    def name(self) -> str:
+        """The transaction name: target, fixed_K, bandit."""
+        return f"fixed_{self.k}" if self.kind == "fixed" else self.kind
+
+    @property
+    def spec(self) -> str:
+        return f"fixed:{self.k}" if self.kind == "fixed" else self.kind
+
+
+def parse_mode(text: str, arms: list[int], has_draft: bool) -> Mode:
+    text = text.strip()
+    if text == "target":
+        return Mode("target")
+    if text == "bandit":
+        if not has_draft:
+            raise ModeError("mode 'bandit' needs a draft model, and none is loaded")
+        return Mode("bandit")
+    if text.startswith("fixed:") or text.startswith("fixed_"):
+        try:
+            k = int(text[6:])
+        except ValueError:
+            raise ModeError(f"bad mode {text!r}: expected fixed:K with K an integer") from None
+        if k not in arms:
+            raise ModeError(f"bad mode {text!r}: K must be one of the arms {arms}")
+        if k > 0 and not has_draft:
+            raise ModeError(f"mode {text!r} needs a draft model, and none is loaded")
+        return Mode("fixed", k)
+    raise ModeError(f"unknown mode {text!r}: use target, fixed:K (K in {arms}) or bandit")
+
+
+class TextTracker:
+    """Incremental detokenisation with stop strings: emits only text that is final."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer = tokenizer
+        self.stops = [s for s in stops if s]
+        self.emitted = 0
+        self.text = ""
+        self.stopped = False
+
+    def update(self, ids: list[int]) -> str:
+        """Feed the full output so far; returns the new final text (may be empty)."""
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        for s in self.stops:
+            pos = text.find(s)
+            if pos != -1:
+                text = text[:pos]
+                self.stopped = True
+        self.text = text
+        safe = len(text)
+        if not self.stopped:
+            if text.endswith("\ufffd"):  # a multi-byte character split across tokens
+                safe = len(text.rstrip("\ufffd"))
+            for s in self.stops:  # hold back a suffix that may grow into a stop string
+                for n in range(min(len(s) - 1, safe), 0, -1):
+                    if text[:safe].endswith(s[:n]):
+                        safe -= n
+                        break
+        delta = text[self.emitted : safe] if safe > self.emitted else ""
+        self.emitted = max(self.emitted, safe)
+        return delta
+
+    def rest(self) -> str:
+        delta = self.text[self.emitted :]
+        self.emitted = len(self.text)
+        return delta
+
+
+@dataclass
+class CoreResult:
+    text: str
+    finish_reason: str
+    mode: Mode
+    result: GenerationResult
+    decision: Decision | None
+    cancelled: bool = False
+
+
+class ServingCore:
+    """Target (+ optional draft) engine, tokenizer, bandit. `generate` is serialised."""
+
+    def __init__(
+        self,
+        engine: SpecEngine,
+        tokenizer,
+        bandit: EpsilonGreedy,
+        model_id: str,
+        draft_id: str | None,
+        default_mode: str = "bandit",
+        state_file: Path | None = None,
+    ):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.bandit = bandit
+        self.model_id = model_id
+        self.draft_id = draft_id
+        self.has_draft = engine.draft is not None
+        self.default_mode = parse_mode(default_mode, bandit.arms, self.has_draft)
+        self.state_file = state_file
+        self.lock = threading.Lock()
+        if state_file is not None:
+            outcome = load_bandit(bandit, state_file)
+            log.info("bandit state %s: %s", state_file, outcome)
+
+    @property
+    def max_context(self) -> int | None:
+        return self.engine.max_context
+
+    def mode(self, text: str | None) -> Mode:
+        return self.default_mode if text is None else parse_mode(text, self.bandit.arms, self.has_draft)
+
+    def chat_prompt_ids(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+        )
+        return self.text_prompt_ids(text)
+
+    def text_prompt_ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        mode: Mode,
+        stop: list[str] | None = None,
+        on_text: Callable[[str], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> CoreResult:
+        decision = self.bandit.choose() if mode.kind == "bandit" else None
+        k = decision.arm if decision else mode.k
+        tracker = TextTracker(self.tokenizer, stop or [])
+
+        def should_stop(out: list[int]) -> bool:
+            delta = tracker.update(out)
+            if delta and on_text is not None:
+                on_text(delta)
+            return tracker.stopped or (cancel is not None and cancel.is_set())
+
+        with self.lock:
+            result = self.engine.generate(prompt_ids, k, max_tokens, should_stop=should_stop)
+        if not tracker.stopped:
+            tracker.update(result.token_ids)
+        tail = tracker.rest()
+        if tail and on_text is not None:
+            on_text(tail)
+        cancelled = cancel is not None and cancel.is_set()
+        finish = "stop" if tracker.stopped else result.finish_reason
+        if decision is not None and not cancelled:
+            self.bandit.update(k, result.tokens_per_second)
+            if self.state_file is not None:
+                save_bandit(self.bandit, self.state_file)
+        return CoreResult(tracker.text, finish, mode, result, decision, cancelled)
+
+
+def build_core(cfg, ws, mode: str | None = None, load_draft: bool | None = None) -> ServingCore:
+    """Load models per config and build the core. Target-only mode skips loading the draft."""
+    from .. import models
+
+    mode = mode or cfg.server.mode
+    if load_draft is None:
+        load_draft = mode != "target"
+    target_ref, draft_ref = models.resolve_pair(
+        cfg.models.target, cfg.models.draft if load_draft else None, ws.models_cache
+    )
+    tok = models.load_tokenizer(target_ref)
+    target = models.load_model(target_ref, cfg.models.dtype, cfg.models.device)
+    draft = models.load_model(draft_ref, cfg.models.dtype, cfg.models.device) if draft_ref else None
+    engine = SpecEngine(target, draft, eos_token_ids=eos_ids(tok, target))
+    b = cfg.bandit
+    bandit = EpsilonGreedy(
+        b.arms, random.Random(b.seed), b.warmup_pulls, b.epsilon_start, b.epsilon_floor, b.epsilon_decay
+    )
+    return ServingCore(
+        engine,
+        tok,
+        bandit,
+        model_id=cfg.models.served_name or cfg.models.target,
+        draft_id=cfg.models.draft if draft_ref else None,
+        default_mode=mode,
+        state_file=ws.state / "bandit.json",
+    )
+
+
+def eos_ids(tokenizer, model) -> list[int]:
+    ids = set()
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)

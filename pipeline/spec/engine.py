@@ -1,0 +1,191 @@
+"""Greedy speculative decoding: the draft guesses k tokens, the target checks them in one pass.
+
+The engine knows models and token ids; it knows nothing of HTTP, Sentry or files. Timing and
+counts come back in the result, and callers record them.
+
+Invariant kept by the loop (`seq` = prompt + committed output):
+  - the target's KV cache holds seq[:-1]; the last committed token is still to be fed;
+  - the draft's KV cache holds some prefix of seq (it catches up on its next turn).
+One round with arm k: the draft feeds what it lacks and proposes d1..dk greedily; the target
+feeds [seq[-1], d1..dk] once and yields its own greedy choice p1..p(k+1) at every position. The
+longest prefix with d_i == p_i is accepted, and p(m+1) (the target's correction, or a bonus
+token when all k matched) is committed too. Both caches are then cropped to what is valid. Every
+committed token is the target's own greedy choice, so the output equals target-only greedy
+decoding for every k (arm 0 runs the same loop with no draft work at all).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    arm: int
+    finish_reason: str  # "stop" (end-of-turn token or caller's stop) | "length"
+    latency_s: float
+    draft_s: float
+    verify_s: float
+    prompt_tokens: int
+    proposed: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    proposed_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def output_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.output_tokens / self.latency_s if self.latency_s > 0 else 0.0
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.proposed if self.proposed else None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(
+            output_tokens=self.output_tokens,
+            tokens_per_second=self.tokens_per_second,
+            acceptance=self.acceptance,
+        )
+        return d
+
+
+def _crop_to(cache: DynamicCache, length: int) -> None:
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)  # transformers 5: a negative count of tokens to drop
+
+
+class SpecEngine:
+    """A target and an optional same-tokenizer draft, both on one device, greedy decoding."""
+
+    def __init__(self, target, draft=None, eos_token_ids: Sequence[int] = ()):
+        self.target = target
+        self.draft = draft
+        self.eos_token_ids = set(eos_token_ids)
+        self.device = next(target.parameters()).device
+        if draft is not None and draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(
+                f"draft vocab ({draft.config.vocab_size}) differs from target's "
+                f"({target.config.vocab_size}): they must share a tokenizer"
+            )
+        limits = [getattr(m.config, "max_position_embeddings", None) for m in (target, draft) if m]
+        self.max_context = min(x for x in limits if x) if any(limits) else None
+
+    @torch.inference_mode()
+    def _forward(self, model, ids: list[int], cache: DynamicCache, keep: int) -> torch.Tensor:
+        inp = torch.tensor([ids], dtype=torch.long, device=self.device)
+        out = model(input_ids=inp, cache=cache, use_cache=True, logits_to_keep=keep)
+        return out.logits[0]
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        k: int,
+        max_new_tokens: int,
+        on_tokens: Callable[[list[int]], None] | None = None,
+        should_stop: Callable[[list[int]], bool] | None = None,
+    ) -> GenerationResult:
+        """Generate greedily with arm k (0 = target only). `on_tokens` sees each round's new
+        tokens; `should_stop(output_so_far)` ends generation early (stop strings, disconnects)."""
+        if k < 0:
+            raise ValueError("k must be >= 0")
+        if k > 0 and self.draft is None:
+            raise ValueError(f"arm {k} needs a draft model; this engine has none")
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        start = time.perf_counter()
+        seq = list(prompt_ids)
+        n_prompt = len(seq)
+        out: list[int] = []
+        t_cache = DynamicCache(config=self.target.config)
+        d_cache = DynamicCache(config=self.draft.config) if k > 0 else None
+        draft_s = verify_s = 0.0
+        proposed_pos = [0] * k
+        accepted_pos = [0] * k
+        proposed = accepted = rounds = 0
+        finish = "length"
+
+        t0 = time.perf_counter()
+        if len(seq) > 1:
+            self._forward(self.target, seq[:-1], t_cache, keep=1)
+        verify_s += time.perf_counter() - t0
+
+        while len(out) < max_new_tokens:
+            remaining = max_new_tokens - len(out)
+            k_eff = min(k, remaining - 1)
+            if self.max_context is not None:
+                if len(seq) >= self.max_context:
+                    break
+                k_eff = max(0, min(k_eff, self.max_context - len(seq) - 1))
+            drafts: list[int] = []
+            if k_eff > 0:
+                t0 = time.perf_counter()
+                feed = seq[d_cache.get_seq_length() :]
+                for _ in range(k_eff):
+                    logits = self._forward(self.draft, feed, d_cache, keep=1)
+                    nxt = int(logits[-1].argmax())
+                    drafts.append(nxt)
+                    feed = [nxt]
+                draft_s += time.perf_counter() - t0
+
+            t0 = time.perf_counter()
+            logits = self._forward(self.target, [seq[-1], *drafts], t_cache, keep=k_eff + 1)
+            preds = logits.argmax(dim=-1).tolist()
+            verify_s += time.perf_counter() - t0
+
+            m = 0
+            while m < k_eff and drafts[m] == preds[m]:
+                m += 1
+            new = drafts[:m] + [preds[m]]
+            rounds += 1
+            proposed += k_eff
+            accepted += m
+            for i in range(k_eff):
+                proposed_pos[i] += 1
+                accepted_pos[i] += i < m
+            # Keep only what is valid: seq + accepted drafts (the new last token is pending).
+            _crop_to(t_cache, len(seq) + m)
+            if d_cache is not None:
+                _crop_to(d_cache, len(seq) + m)
+
+            for i, tok in enumerate(new):
+                if tok in self.eos_token_ids:
+                    new = new[:i]
+                    finish = "stop"
+                    break
+            seq.extend(new)
+            out.extend(new)
+            if new and on_tokens is not None:
+                on_tokens(new)
+            if finish == "stop":
+                break
+            if should_stop is not None and should_stop(out):
+                finish = "stop"
+                break
+
+        return GenerationResult(
+            token_ids=out,
+            arm=k,
+            finish_reason=finish,
+            latency_s=time.perf_counter() - start,
+            draft_s=draft_s,
+            verify_s=verify_s,
+            prompt_tokens=n_prompt,
+            proposed=proposed,
+            accepted=accepted,
+            rounds=rounds,
+            proposed_per_position=proposed_pos,
+            accepted_per_position=accepted_pos,
+        )

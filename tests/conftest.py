@@ -1,0 +1,79 @@
+"""Shared fixtures: tiny models built from a config (never downloaded), the MBPP file."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+MBPP = ROOT.parent / "shared" / "data" / "mbpp.jsonl"
+TINY_TARGET = "tiny:layers=2,hidden=64,seed=0"
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(model_cache):
+    """(target_dir, draft_dir): a tiny random Llama and a 1-layer draft cut from it."""
+    from pipeline import models
+
+    return models.resolve_pair(TINY_TARGET, "cut:1", model_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_pair):
+    from pipeline import models
+
+    t, d = tiny_pair
+    return models.load_tokenizer(t), models.load_model(t, "float32", "cpu"), models.load_model(d, "float32", "cpu")
+
+
+@pytest.fixture
+def mbpp_path() -> Path:
+    if not MBPP.is_file():
+        pytest.skip(f"{MBPP} not present")
+    return MBPP
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 60.0, status: int = 200) -> None:
+    import requests
+
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            r = requests.get(url, timeout=2)
+            last = r.status_code
+            if r.status_code == status:
+                return
+        except requests.RequestException as exc:
+            last = exc
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not {status} after {timeout}s (last: {last})")
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run `python -m pipeline ...` from the project root, as a user would."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", *args], cwd=ROOT, env=full_env,
+        capture_output=True, text=True, timeout=timeout,
+    )

@@ -1,0 +1,87 @@
+import json
+import random
+import threading
+
+from pipeline.spec.bandit import EpsilonGreedy, load_bandit, save_bandit
+
+ARMS = [0, 2, 4, 6, 8]
+
+
+def make(seed=0, **kw):
+    return EpsilonGreedy(ARMS, random.Random(seed), **kw)
+
+
+def drive(b, rewards, n, noise_seed=1):
+    rng = random.Random(noise_seed)
+    out = []
+    for _ in range(n):
+        d = b.choose()
+        out.append((d.arm, d.explored))
+        b.update(d.arm, rewards[d.arm] + rng.random())
+    return out
+
+
+def test_warmup_tries_every_arm_twice_in_order():
+    b = make()
+    arms = [b.choose().arm for _ in range(10)]
+    assert arms == ARMS * 2
+
+
+def test_seeded_runs_make_the_same_choices():
+    rewards = {0: 10, 2: 12, 4: 15, 6: 11, 8: 9}
+    assert drive(make(3), rewards, 200) == drive(make(3), rewards, 200)
+    assert drive(make(3), rewards, 200) != drive(make(4), rewards, 200)
+
+
+def test_epsilon_schedule():
+    b = make()
+    for _ in range(10):
+        b.choose()
+    assert b.epsilon() == 0.3
+    b.t = 10
+    assert abs(b.epsilon() - 0.3 * 0.97**10) < 1e-12
+    b.t = 1000
+    assert b.epsilon() == 0.05
+
+
+def test_incremental_mean_and_exploitation():
+    b = make()
+    for r in (1.0, 2.0, 6.0):
+        b.update(4, r)
+    assert b.counts[4] == 3 and abs(b.means[4] - 3.0) < 1e-12
+    rewards = {0: 10, 2: 12, 4: 20, 6: 11, 8: 9}
+    choices = drive(make(), rewards, 300)
+    late = [a for a, explored in choices[-100:] if not explored]
+    assert late and all(a == 4 for a in late)
+
+
+def test_state_roundtrip_and_corrupt_file(tmp_path):
+    b = make()
+    drive(b, {a: a for a in ARMS}, 30)
+    path = tmp_path / "bandit.json"
+    save_bandit(b, path)
+    c = make()
+    assert load_bandit(c, path) == "restored"
+    assert c.state() == b.state()
+    path.write_text("{not json")
+    fresh = make()
+    assert load_bandit(fresh, path) == "corrupt"
+    assert not path.exists() and list(tmp_path.glob("bandit.json.corrupt-*"))
+    assert fresh.counts == {a: 0 for a in ARMS}
+    path.write_text(json.dumps({**b.state(), "arms": [0, 1]}))
+    assert load_bandit(make(), path) == "corrupt"
+
+
+def test_thread_safe_updates():
+    b = make()
+
+    def work():
+        for _ in range(1000):
+            b.update(2, 1.0)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert b.counts[2] == 4000 and abs(b.means[2] - 1.0) < 1e-9

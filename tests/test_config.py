@@ -1,0 +1,65 @@
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import Config, load_config
+from pipeline.errors import ConfigError
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+
+
+def test_configs_exist():
+    names = {p.name for p in CONFIGS}
+    assert {"default.yaml", "qwen3.yaml", "ci.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_parses(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+    assert cfg.data.seed == 42 and cfg.data.train_size == 500 and cfg.data.test_size == 50
+
+
+def test_qwen3_is_the_reference_setup():
+    cfg = load_config(Path(CONFIGS[0]).parent / "qwen3.yaml")
+    assert cfg.models.target == "Qwen/Qwen3-1.7B" and cfg.models.draft == "Qwen/Qwen3-0.6B"
+    assert cfg.teacher.max_tokens == 256 and cfg.bench.max_new_tokens == 128
+    assert cfg.teacher.enable_thinking is False
+
+
+def test_unknown_key_names_key_and_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("data:\n  seeed: 1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert "data.seeed" in str(e.value) and str(f) in str(e.value)
+
+
+def test_wrong_type_names_key(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("data:\n  train_size: lots\n")
+    with pytest.raises(ConfigError, match="data.train_size"):
+        load_config(f)
+
+
+def test_overrides_are_typed_and_validated(tmp_path):
+    cfg = load_config(None, ["data.train_size=10", "distill.limit=null", "teacher.url=http://x:1/v1"])
+    assert cfg.data.train_size == 10 and cfg.distill.limit is None and cfg.teacher.url == "http://x:1/v1"
+    with pytest.raises(ConfigError, match="nope"):
+        load_config(None, ["nope.x=1"])
+    with pytest.raises(ConfigError, match="key.path=value"):
+        load_config(None, ["data.seed"])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "absent.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_bandit_arms_validated():
+    with pytest.raises(ConfigError, match="bandit.arms"):
+        load_config(None, ["bandit.arms=[2,2]"])

@@ -1,0 +1,89 @@
+import pytest
+
+from pipeline.spec.engine import SpecEngine
+
+PROMPTS = ["Write a function to add two numbers.", "hello", "Sort a list of tuples by the second item, please."]
+
+
+def ids_for(tok, text):
+    rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return tok(rendered, add_special_tokens=False)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_models):
+    tok, target, draft = tiny_models
+    eos = [tok.eos_token_id]
+    return tok, SpecEngine(target, draft, eos), SpecEngine(target, target, eos)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 6, 8])
+def test_greedy_output_equals_target_alone_for_every_arm(engines, k):
+    tok, cut, selfdraft = engines
+    for text in PROMPTS:
+        ids = ids_for(tok, text)
+        ref = cut.generate(ids, 0, 40)
+        assert ref.output_tokens > 0
+        for eng in (cut, selfdraft):
+            r = eng.generate(ids, k, 40)
+            assert r.token_ids == ref.token_ids
+            assert r.finish_reason == ref.finish_reason
+
+
+def test_target_only_matches_transformers_generate(engines, tiny_models):
+    import torch
+
+    tok, cut, _ = engines
+    target = tiny_models[1]
+    ids = ids_for(tok, PROMPTS[0])
+    ours = cut.generate(ids, 0, 30)
+    hf = target.generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    expected = hf[0, len(ids):].tolist()
+    if tok.eos_token_id in expected:
+        expected = expected[: expected.index(tok.eos_token_id)]
+    assert ours.token_ids == expected
+
+
+def test_counts_are_consistent(engines):
+    tok, cut, selfdraft = engines
+    ids = ids_for(tok, PROMPTS[2])
+    r = selfdraft.generate(ids, 4, 40)
+    # The target drafting for itself is always right.
+    assert r.accepted == r.proposed > 0 and r.acceptance == 1.0
+    assert r.accepted_per_position == r.proposed_per_position
+    c = cut.generate(ids, 4, 40)
+    assert c.proposed == sum(c.proposed_per_position) and c.accepted == sum(c.accepted_per_position)
+    assert all(a <= p for a, p in zip(c.accepted_per_position, c.proposed_per_position))
+    # Acceptance at position i needs acceptance at every earlier position.
+    assert all(x >= y for x, y in zip(c.accepted_per_position, c.accepted_per_position[1:]))
+    assert c.output_tokens <= 40 and c.latency_s >= c.draft_s + c.verify_s - 1e-3
+
+
+def test_arm_zero_does_no_draft_work(engines):
+    tok, cut, _ = engines
+    r = cut.generate(ids_for(tok, "hello"), 0, 20)
+    assert r.proposed == 0 and r.draft_s == 0.0 and r.acceptance is None
+
+
+def test_max_new_tokens_is_exact(engines):
+    tok, _, selfdraft = engines
+    ids = ids_for(tok, PROMPTS[0])
+    for n in (1, 2, 5, 9):
+        r = selfdraft.generate(ids, 8, n)
+        assert r.output_tokens <= n
+        if r.finish_reason == "length":
+            assert r.output_tokens == n
+
+
+def test_should_stop_and_streaming_callback(engines):
+    tok, cut, _ = engines
+    seen = []
+    r = cut.generate(ids_for(tok, "hello"), 2, 40, on_tokens=seen.extend, should_stop=lambda out: len(out) >= 5)
+    assert r.finish_reason == "stop" and 5 <= r.output_tokens <= 7 and seen == r.token_ids
+
+
+def test_arm_without_draft_is_refused(tiny_models):
+    tok, target, _ = tiny_models
+    with pytest.raises(ValueError, match="needs a draft"):
+        SpecEngine(target).generate([1, 2], 2, 5)
