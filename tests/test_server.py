@@ -1,0 +1,226 @@
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from pipeline.server import create_app
+from tests.conftest import free_port, run_cli, wait_http, ROOT
+from tests.servers import ServerThread, tiny_core
+
+CHAT = "/v1/chat/completions"
+
+
+def chat_body(text="Write a function to add two numbers.", **kw):
+    return {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 24, **kw}
+
+
+@pytest.fixture
+def server(tiny_models, tmp_path):
+    app = create_app(lambda: tiny_core(tiny_models, tmp_path / "bandit.json"), queue_size=4)
+    with ServerThread(app) as s:
+        wait_http(s.url + "/health")
+        yield s
+
+
+def post(server, path, body, **kw):
+    return requests.post(server.url + path, json=body, timeout=60, **kw)
+
+
+def test_health_503_while_loading_then_200(tiny_models):
+    gate = threading.Event()
+
+    def slow_load():
+        gate.wait(30)
+        return tiny_core(tiny_models)
+
+    with ServerThread(create_app(slow_load)) as s:
+        r = requests.get(s.url + "/health", timeout=5)
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        r = requests.post(s.url + CHAT, json=chat_body(), timeout=5)
+        assert r.status_code == 503 and "error" in r.json()
+        gate.set()
+        wait_http(s.url + "/health", timeout=30)
+        assert requests.get(s.url + "/v1/models", timeout=5).json()["data"][0]["id"] == "tiny"
+
+
+def test_every_mode_is_lossless_over_http(server):
+    outputs = {}
+    for mode in ["target", "fixed:0", "fixed:2", "fixed:4", "fixed:8", "bandit"]:
+        r = post(server, CHAT, chat_body(phoenix={"mode": mode}))
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+        choice = body["choices"][0]
+        assert choice["finish_reason"] in ("stop", "length") and choice["message"]["role"] == "assistant"
+        usage = body["usage"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        details = usage["completion_tokens_details"]
+        ph = body["phoenix"]
+        assert details["accepted_prediction_tokens"] == ph["accepted"]
+        assert details["rejected_prediction_tokens"] == ph["proposed"] - ph["accepted"]
+        assert ph["mode"] == mode and ph["tokens_per_second"] > 0
+        if mode.startswith("fixed:"):
+            assert ph["arm"] == int(mode[6:])
+        outputs[mode] = choice["message"]["content"]
+    assert len(set(outputs.values())) == 1, outputs
+
+
+def test_completions_endpoint_and_stop(server):
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": "def add(a, b):", "max_tokens": 20})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion"
+    text = body["choices"][0]["text"]
+    if len(text) > 3:
+        stop = text[2:4]
+        r2 = post(server, "/v1/completions", {"model": "tiny", "prompt": "def add(a, b):", "max_tokens": 20, "stop": [stop]})
+        c = r2.json()["choices"][0]
+        assert c["finish_reason"] == "stop" and stop not in c["text"] and text.startswith(c["text"])
+
+
+def test_streaming_matches_non_streaming(server):
+    plain = post(server, CHAT, chat_body(phoenix={"mode": "fixed:4"})).json()["choices"][0]["message"]["content"]
+    r = requests.post(server.url + CHAT, json=chat_body(stream=True, stream_options={"include_usage": True},
+                      phoenix={"mode": "fixed:4"}), stream=True, timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [line[6:] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == plain
+    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finals) == 1
+    assert chunks[-1]["usage"]["completion_tokens"] > 0 and chunks[-1]["phoenix"]["arm"] == 4
+
+
+@pytest.mark.parametrize(
+    "raw,status,param",
+    [
+        (b"{not json", 400, None),
+        (b"[1,2]", 400, None),
+        ({"messages": [{"role": "user", "content": "x"}]}, 400, "model"),
+        ({"model": "tiny", "messages": "hello"}, 400, "messages"),
+        ({"model": "tiny", "messages": []}, 400, "messages"),
+        ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "  "}]}, 400, "messages"),
+        ({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": -3}, 400, "max_tokens"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}, 400, "max_tokens"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}, 400, "max_tokens"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x" * 5000}]}, 400, "messages"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400, "temperature"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 0.7}, 400, "temperature"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "phoenix": {"mode": "fixed:3"}}, 400, "phoenix.mode"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "phoenix": {"mode": "warp"}}, 400, "phoenix.mode"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "phoenix": {"speed": 1}}, 400, "phoenix.speed"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stop": [""]}, 400, "stop"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n"),
+    ],
+)
+def test_bad_input_gets_openai_error_and_server_keeps_serving(server, raw, status, param):
+    if isinstance(raw, bytes):
+        r = requests.post(server.url + CHAT, data=raw, headers={"Content-Type": "application/json"}, timeout=10)
+    else:
+        r = post(server, CHAT, raw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param:
+        assert err["param"] == param
+    assert post(server, CHAT, chat_body(max_tokens=4)).status_code == 200
+
+
+def test_unknown_path_and_method(server):
+    assert requests.get(server.url + "/v1/nothing", timeout=5).status_code == 404
+    assert requests.get(server.url + CHAT, timeout=5).status_code == 405
+
+
+def test_api_key(tiny_models, monkeypatch):
+    monkeypatch.setenv("PHX_TEST_KEY", "s3cret")
+    app = create_app(lambda: tiny_core(tiny_models), api_key_env="PHX_TEST_KEY")
+    with ServerThread(app) as s:
+        wait_http(s.url + "/health")
+        r = requests.post(s.url + CHAT, json=chat_body(), timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert "s3cret" not in r.text
+        r = requests.post(s.url + CHAT, json=chat_body(max_tokens=4), headers={"Authorization": "Bearer s3cret"}, timeout=30)
+        assert r.status_code == 200
+
+
+def test_concurrent_burst_gets_200s_and_429s_never_500(tiny_models):
+    app = create_app(lambda: tiny_core(tiny_models), queue_size=2)
+    with ServerThread(app) as s:
+        wait_http(s.url + "/health")
+        with ThreadPoolExecutor(12) as pool:
+            rs = list(pool.map(lambda i: requests.post(s.url + CHAT, json=chat_body(max_tokens=48, phoenix={"mode": "target"}), timeout=120), range(12)))
+        codes = [r.status_code for r in rs]
+        assert set(codes) <= {200, 429} and 200 in codes and 429 in codes, codes
+        assert all(r.json()["error"]["type"] == "rate_limit_error" for r in rs if r.status_code == 429)
+        texts = {r.json()["choices"][0]["message"]["content"] for r in rs if r.status_code == 200}
+        assert len(texts) == 1  # same prompt, greedy: same answer, whoever went first
+        # The queue drains: the server serves again afterwards.
+        assert requests.post(s.url + CHAT, json=chat_body(max_tokens=4), timeout=60).status_code == 200
+
+
+def test_client_disconnect_frees_the_slot(tiny_models):
+    app = create_app(lambda: tiny_core(tiny_models), queue_size=1)
+    with ServerThread(app) as s:
+        wait_http(s.url + "/health")
+        r = requests.post(s.url + CHAT, json=chat_body(max_tokens=800, stream=True, phoenix={"mode": "target"}),
+                          stream=True, timeout=60)
+        next(r.iter_lines())
+        r.close()  # walk away mid-stream
+        deadline = time.monotonic() + 30
+        while True:
+            r2 = requests.post(s.url + CHAT, json=chat_body(max_tokens=4), timeout=60)
+            if r2.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert r2.status_code == 200
+
+
+def test_restart_keeps_bandit_state(tmp_path):
+    art = tmp_path / "art"
+    state = art / "state" / "bandit.json"
+
+    def start():
+        import subprocess
+        import sys
+
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline", "serve", "--config", "configs/ci.yaml", "--artifacts", str(art),
+             "--port", str(port), "--mode", "bandit"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        wait_http(f"http://127.0.0.1:{port}/health", timeout=120)
+        return proc, f"http://127.0.0.1:{port}"
+
+    proc, url = start()
+    model = requests.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
+    try:
+        for _ in range(3):
+            r = requests.post(url + CHAT, json={**chat_body(max_tokens=8), "model": model}, timeout=60)
+            assert r.status_code == 200, r.text
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    saved = json.loads(state.read_text())
+    assert sum(saved["counts"].values()) == 3
+    proc, url = start()
+    try:
+        r = requests.post(url + CHAT, json={**chat_body(max_tokens=8), "model": model}, timeout=60)
+        assert r.status_code == 200
+        # The 4th decision continues the warm-up order (arms 0,2,4,6,...): state was reloaded.
+        assert r.json()["phoenix"]["arm"] == 6
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert sum(json.loads(state.read_text())["counts"].values()) == 4
+    state.write_text("garbage")
+    proc, url = start()
+    proc.terminate()
+    proc.wait(30)
+    assert list(state.parent.glob("bandit.json.corrupt-*"))
