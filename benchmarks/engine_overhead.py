@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
@@ -40,11 +39,20 @@ def main() -> None:
     tok = models.load_tokenizer(ref)
     target = models.load_model(ref, cfg.models.dtype, cfg.models.device)
     eng = SpecEngine(target, target, eos_ids(tok, target))
-    texts = [r["prompt"] for r in read_jsonl(ws.test_file)[: args.prompts]] if ws.test_file.exists() else [
-        "Write a function to reverse a string."] * args.prompts
-    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                           add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-               for t in texts]
+    texts = (
+        [r["prompt"] for r in read_jsonl(ws.test_file)[: args.prompts]]
+        if ws.test_file.exists()
+        else ["Write a function to reverse a string."] * args.prompts
+    )
+    prompts = [
+        tok(
+            tok.apply_chat_template(
+                [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
+            ),
+            add_special_tokens=False,
+        )["input_ids"]
+        for t in texts
+    ]
     eng.generate(prompts[0], 0, 8)  # warm-up
 
     rows = {}
@@ -60,7 +68,10 @@ def main() -> None:
 
     record("phoenix target-only", lambda ids: eng.generate(ids, 0, args.tokens).output_tokens)
     for k in args.arms:
-        record(f"phoenix fixed_{k} (self-draft)", lambda ids, k=k: eng.generate(ids, k, args.tokens).output_tokens)
+        record(
+            f"phoenix fixed_{k} (self-draft)",
+            lambda ids, k=k: eng.generate(ids, k, args.tokens).output_tokens,
+        )
     if args.hf:
         target.generation_config.num_assistant_tokens_schedule = "constant"
         target.generation_config.assistant_confidence_threshold = 0.0

@@ -21,13 +21,22 @@ STAGES = ["split", "serve", "demo"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m pipeline",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("stage", choices=STAGES)
     p.add_argument("--config", default="configs/default.yaml", help="YAML config file")
     p.add_argument("--artifacts", default="artifacts", help="root of every output")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set data.train_size=100 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set data.train_size=100 (repeatable)",
+    )
     p.add_argument("--host", help="serve: address to bind (default from config: 127.0.0.1)")
     p.add_argument("--port", type=int, help="serve: port (default from config)")
     p.add_argument("--mode", help="serve: target | fixed:K | bandit (default from config)")

@@ -80,7 +80,9 @@ def _convert_embedded(name: str, cache: Path) -> Path:
 
     log.info("converting %s (%s) to safetensors under %s (once)", name, gguf.name, out)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
     if getattr(model.config, "quantization_config", None) is not None:
@@ -182,7 +184,9 @@ def parse_cut(spec: str, n_layers: int) -> list[int]:
     if not keep or len(set(keep)) != len(keep) or keep != sorted(keep):
         raise ConfigError(f"bad draft spec '{spec}': layers must be distinct and increasing")
     if keep[-1] >= n_layers or keep[0] < 0:
-        raise ConfigError(f"draft spec '{spec}' asks for layers the target lacks (it has {n_layers})")
+        raise ConfigError(
+            f"draft spec '{spec}' asks for layers the target lacks (it has {n_layers})"
+        )
     return keep
 
 
@@ -193,7 +197,9 @@ def _cut(target_ref: str, spec: str, cache: Path) -> Path:
     n_layers = None
     if (target_dir / "config.json").is_file():
         cfg = json.loads((target_dir / "config.json").read_text())
-        n_layers = cfg.get("num_hidden_layers") or cfg.get("text_config", {}).get("num_hidden_layers")
+        n_layers = cfg.get("num_hidden_layers") or cfg.get("text_config", {}).get(
+            "num_hidden_layers"
+        )
     key = f"{target_ref}|{spec}"
     out = cache / f"cut-{target_dir.name}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
     if (out / "config.json").is_file():

@@ -34,10 +34,23 @@ log = logging.getLogger(__name__)
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str, param: str | None = None, code=None):
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type_,
+            param,
+            code,
+        )
 
     def response(self, headers: dict | None = None) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        body = {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 
@@ -84,7 +97,9 @@ class CommonRequest(BaseModel):
     @classmethod
     def _stops(cls, v):
         stops = [v] if isinstance(v, str) else v
-        if stops is not None and (len(stops) > 4 or not all(isinstance(s, str) and s for s in stops)):
+        if stops is not None and (
+            len(stops) > 4 or not all(isinstance(s, str) and s for s in stops)
+        ):
             raise ValueError("stop must be a non-empty string or a list of at most 4 of them")
         return stops
 
@@ -134,8 +149,11 @@ class Gate:
 
 
 def create_app(
-    load_core: Callable[[], ServingCore], queue_size: int = 8, api_key_env: str = "PHOENIX_API_KEY",
-    max_tokens_limit: int = 4096, telemetry=None,
+    load_core: Callable[[], ServingCore],
+    queue_size: int = 8,
+    api_key_env: str = "PHOENIX_API_KEY",
+    max_tokens_limit: int = 4096,
+    telemetry=None,
 ) -> FastAPI:
     """`load_core` runs in a background thread at start-up; /health says 503 until it is done."""
     from .telemetry import NullTelemetry
@@ -168,8 +186,13 @@ def create_app(
         if api_key and request.url.path != "/health":
             header = request.headers.get("authorization", "")
             if header != f"Bearer {api_key}":
-                return APIError(401, "invalid or missing API key", "authentication_error", None,
-                                "invalid_api_key").response()
+                return APIError(
+                    401,
+                    "invalid or missing API key",
+                    "authentication_error",
+                    None,
+                    "invalid_api_key",
+                ).response()
         return await call_next(request)
 
     @app.exception_handler(APIError)
@@ -178,7 +201,9 @@ def create_app(
 
     @app.exception_handler(404)
     async def _not_found(_request: Request, _exc):
-        return APIError(404, "no such endpoint", "invalid_request_error", None, "not_found").response()
+        return APIError(
+            404, "no such endpoint", "invalid_request_error", None, "not_found"
+        ).response()
 
     @app.exception_handler(405)
     async def _bad_method(_request: Request, _exc):
@@ -187,22 +212,27 @@ def create_app(
     def ready_core() -> ServingCore:
         core = state["core"]
         if core is None:
-            raise APIError(503, state["error"] or "models are loading", "server_error", None,
-                           "model_not_ready")
+            raise APIError(
+                503, state["error"] or "models are loading", "server_error", None, "model_not_ready"
+            )
         return core
 
     @app.get("/health")
     async def health():
         if state["core"] is not None:
             return {"status": "ok"}
-        return JSONResponse({"status": "error" if state["error"] else "loading",
-                             "detail": state["error"]}, status_code=503)
+        return JSONResponse(
+            {"status": "error" if state["error"] else "loading", "detail": state["error"]},
+            status_code=503,
+        )
 
     @app.get("/v1/models")
     async def list_models():
         core = ready_core()
-        return {"object": "list", "data": [
-            {"id": core.model_id, "object": "model", "created": 0, "owned_by": "phoenix"}]}
+        return {
+            "object": "list",
+            "data": [{"id": core.model_id, "object": "model", "created": 0, "owned_by": "phoenix"}],
+        }
 
     async def parse(request: Request, schema):
         try:
@@ -218,21 +248,32 @@ def create_app(
 
     def prepare(core: ServingCore, req: CommonRequest, prompt_ids: list[int]):
         if req.model != core.model_id:
-            raise APIError(404, f"model '{req.model}' is not served here; it serves '{core.model_id}'",
-                           "invalid_request_error", "model", "model_not_found")
+            raise APIError(
+                404,
+                f"model '{req.model}' is not served here; it serves '{core.model_id}'",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
         if req.temperature not in (None, 0.0):
-            raise bad_request("Phoenix serves greedy decoding only: temperature must be 0 or absent",
-                              "temperature")
+            raise bad_request(
+                "Phoenix serves greedy decoding only: temperature must be 0 or absent",
+                "temperature",
+            )
         max_tokens = req.max_completion_tokens or req.max_tokens or 256
         if max_tokens > max_tokens_limit:
-            raise bad_request(f"max_tokens {max_tokens} exceeds this server's limit of {max_tokens_limit}",
-                              "max_tokens")
+            raise bad_request(
+                f"max_tokens {max_tokens} exceeds this server's limit of {max_tokens_limit}",
+                "max_tokens",
+            )
         ctx = core.max_context
         if ctx is not None and len(prompt_ids) + max_tokens > ctx:
             raise bad_request(
                 f"this model's maximum context length is {ctx} tokens; the prompt has "
-                f"{len(prompt_ids)} and max_tokens asks for {max_tokens}", "messages",
-                "context_length_exceeded")
+                f"{len(prompt_ids)} and max_tokens asks for {max_tokens}",
+                "messages",
+                "context_length_exceeded",
+            )
         try:
             mode = core.mode(req.phoenix.mode if req.phoenix else None)
         except ModeError as exc:
@@ -244,8 +285,13 @@ def create_app(
         max_tokens, mode = prepare(core, req, prompt_ids)
         gate = gate_holder["gate"]
         if not gate.try_admit():
-            raise APIError(429, f"server busy: {gate.size} requests queued or running; retry later",
-                           "rate_limit_error", None, "queue_full")
+            raise APIError(
+                429,
+                f"server busy: {gate.size} requests queued or running; retry later",
+                "rate_limit_error",
+                None,
+                "queue_full",
+            )
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         cancel = threading.Event()
@@ -253,16 +299,33 @@ def create_app(
         try:
             if req.stream:
                 return StreamingResponse(
-                    stream(request, core, gate, req, prompt_ids, max_tokens, mode, cancel, rid,
-                           created, kind),
-                    media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                    stream(
+                        request,
+                        core,
+                        gate,
+                        req,
+                        prompt_ids,
+                        max_tokens,
+                        mode,
+                        cancel,
+                        rid,
+                        created,
+                        kind,
+                    ),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache"},
+                )
             watcher = asyncio.create_task(_watch_disconnect(request, cancel))
             try:
                 if not await _take_turn(gate, cancel):
                     raise APIError(499, "client disconnected", "invalid_request_error")
                 try:
-                    res = await loop.run_in_executor(None, lambda: telemetry.request(
-                        core, prompt_ids, max_tokens, mode, req.stop, None, cancel))
+                    res = await loop.run_in_executor(
+                        None,
+                        lambda: telemetry.request(
+                            core, prompt_ids, max_tokens, mode, req.stop, None, cancel
+                        ),
+                    )
                 finally:
                     gate.turn.release()
             finally:
@@ -272,20 +335,41 @@ def create_app(
             if not req.stream:
                 gate.leave()
 
-    async def stream(request, core, gate, req, prompt_ids, max_tokens, mode, cancel, rid, created, kind):
+    async def stream(
+        request, core, gate, req, prompt_ids, max_tokens, mode, cancel, rid, created, kind
+    ):
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
         def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> str:
             if kind == "chat":
-                delta = {"role": "assistant", "content": ""} if role else (
-                    {"content": delta_text} if delta_text else {})
+                delta = (
+                    {"role": "assistant", "content": ""}
+                    if role
+                    else ({"content": delta_text} if delta_text else {})
+                )
                 choice = {"index": 0, "delta": delta, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
-            return "data: " + json.dumps({"id": rid, "object": obj, "created": created,
-                                          "model": core.model_id, "choices": [choice]}) + "\n\n"
+                choice = {
+                    "index": 0,
+                    "text": delta_text or "",
+                    "finish_reason": finish,
+                    "logprobs": None,
+                }
+            return (
+                "data: "
+                + json.dumps(
+                    {
+                        "id": rid,
+                        "object": obj,
+                        "created": created,
+                        "model": core.model_id,
+                        "choices": [choice],
+                    }
+                )
+                + "\n\n"
+            )
 
         fut = None
         has_turn = False
@@ -295,19 +379,37 @@ def create_app(
             has_turn = True
             if kind == "chat":
                 yield chunk(None, None, role=True)
-            fut = loop.run_in_executor(None, lambda: telemetry.request(
-                core, prompt_ids, max_tokens, mode, req.stop,
-                lambda t: loop.call_soon_threadsafe(queue.put_nowait, t), cancel))
+            fut = loop.run_in_executor(
+                None,
+                lambda: telemetry.request(
+                    core,
+                    prompt_ids,
+                    max_tokens,
+                    mode,
+                    req.stop,
+                    lambda t: loop.call_soon_threadsafe(queue.put_nowait, t),
+                    cancel,
+                ),
+            )
             # The turn and the slot are handed back when generation ends, even if the client
             # left first (then `cancel` stops the engine after its current round).
-            fut.add_done_callback(lambda _f: (queue.put_nowait(None), gate.turn.release(), gate.leave()))
+            fut.add_done_callback(
+                lambda _f: (queue.put_nowait(None), gate.turn.release(), gate.leave())
+            )
             while (piece := await queue.get()) is not None:
                 yield chunk(piece, None)
             res = await fut
             yield chunk(None, res.finish_reason)
             if (req.stream_options or {}).get("include_usage"):
-                usage = {"id": rid, "object": obj, "created": created, "model": core.model_id,
-                         "choices": [], "usage": usage_of(res, len(prompt_ids)), "phoenix": phoenix_of(res)}
+                usage = {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": core.model_id,
+                    "choices": [],
+                    "usage": usage_of(res, len(prompt_ids)),
+                    "phoenix": phoenix_of(res),
+                }
                 yield "data: " + json.dumps(usage) + "\n\n"
             yield "data: [DONE]\n\n"
         finally:
@@ -320,14 +422,30 @@ def create_app(
 
     def body(core: ServingCore, res: CoreResult, rid: str, created: int, kind: str, n_prompt: int):
         if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": res.text},
-                      "finish_reason": res.finish_reason, "logprobs": None}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": res.text},
+                "finish_reason": res.finish_reason,
+                "logprobs": None,
+            }
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": res.text, "finish_reason": res.finish_reason, "logprobs": None}
+            choice = {
+                "index": 0,
+                "text": res.text,
+                "finish_reason": res.finish_reason,
+                "logprobs": None,
+            }
             obj = "text_completion"
-        return {"id": rid, "object": obj, "created": created, "model": core.model_id,
-                "choices": [choice], "usage": usage_of(res, n_prompt), "phoenix": phoenix_of(res)}
+        return {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": core.model_id,
+            "choices": [choice],
+            "usage": usage_of(res, n_prompt),
+            "phoenix": phoenix_of(res),
+        }
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -339,7 +457,9 @@ def create_app(
         try:
             prompt_ids = core.chat_prompt_ids(messages, req.chat_template_kwargs)
         except Exception as exc:  # a template that rejects this conversation
-            raise bad_request(f"chat template could not render the messages: {exc}", "messages") from None
+            raise bad_request(
+                f"chat template could not render the messages: {exc}", "messages"
+            ) from None
         return await run(request, req, prompt_ids, "chat")
 
     @app.post("/v1/completions")

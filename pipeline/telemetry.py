@@ -16,7 +16,9 @@ class NullTelemetry:
     enabled = False
 
     def request(self, core, prompt_ids, max_tokens, mode, stop=None, on_text=None, cancel=None):
-        return core.generate(prompt_ids, max_tokens, mode, stop=stop, on_text=on_text, cancel=cancel)
+        return core.generate(
+            prompt_ids, max_tokens, mode, stop=stop, on_text=on_text, cancel=cancel
+        )
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[dict[str, Any]]:

@@ -37,7 +37,11 @@ def tiny_models(tiny_pair):
     from pipeline import models
 
     t, d = tiny_pair
-    return models.load_tokenizer(t), models.load_model(t, "float32", "cpu"), models.load_model(d, "float32", "cpu")
+    return (
+        models.load_tokenizer(t),
+        models.load_model(t, "float32", "cpu"),
+        models.load_model(d, "float32", "cpu"),
+    )
 
 
 @pytest.fixture
@@ -70,10 +74,16 @@ def wait_http(url: str, timeout: float = 60.0, status: int = 200) -> None:
     raise TimeoutError(f"{url} not {status} after {timeout}s (last: {last})")
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, env: dict | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
     """Run `python -m pipeline ...` from the project root, as a user would."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "pipeline", *args], cwd=ROOT, env=full_env,
-        capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-m", "pipeline", *args],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )

@@ -18,7 +18,9 @@ class ServerThread:
     def __init__(self, app):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> ServerThread:
@@ -39,4 +41,6 @@ def tiny_core(tiny_models, state_file=None, mode="bandit", seed=0) -> ServingCor
     tok, target, draft = tiny_models
     engine = SpecEngine(target, draft, [tok.eos_token_id])
     bandit = EpsilonGreedy([0, 2, 4, 6, 8], random.Random(seed))
-    return ServingCore(engine, tok, bandit, "tiny", "cut:1", default_mode=mode, state_file=state_file)
+    return ServingCore(
+        engine, tok, bandit, "tiny", "cut:1", default_mode=mode, state_file=state_file
+    )

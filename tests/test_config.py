@@ -43,8 +43,14 @@ def test_wrong_type_names_key(tmp_path):
 
 
 def test_overrides_are_typed_and_validated(tmp_path):
-    cfg = load_config(None, ["data.train_size=10", "distill.limit=null", "teacher.url=http://x:1/v1"])
-    assert cfg.data.train_size == 10 and cfg.distill.limit is None and cfg.teacher.url == "http://x:1/v1"
+    cfg = load_config(
+        None, ["data.train_size=10", "distill.limit=null", "teacher.url=http://x:1/v1"]
+    )
+    assert (
+        cfg.data.train_size == 10
+        and cfg.distill.limit is None
+        and cfg.teacher.url == "http://x:1/v1"
+    )
     with pytest.raises(ConfigError, match="nope"):
         load_config(None, ["nope.x=1"])
     with pytest.raises(ConfigError, match="key.path=value"):

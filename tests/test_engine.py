@@ -2,11 +2,17 @@ import pytest
 
 from pipeline.spec.engine import SpecEngine
 
-PROMPTS = ["Write a function to add two numbers.", "hello", "Sort a list of tuples by the second item, please."]
+PROMPTS = [
+    "Write a function to add two numbers.",
+    "hello",
+    "Sort a list of tuples by the second item, please.",
+]
 
 
 def ids_for(tok, text):
-    rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
     return tok(rendered, add_special_tokens=False)["input_ids"]
 
 
@@ -37,9 +43,14 @@ def test_target_only_matches_transformers_generate(engines, tiny_models):
     target = tiny_models[1]
     ids = ids_for(tok, PROMPTS[0])
     ours = cut.generate(ids, 0, 30)
-    hf = target.generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
-    expected = hf[0, len(ids):].tolist()
+    hf = target.generate(
+        torch.tensor([ids]),
+        max_new_tokens=30,
+        do_sample=False,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    expected = hf[0, len(ids) :].tolist()
     if tok.eos_token_id in expected:
         expected = expected[: expected.index(tok.eos_token_id)]
     assert ours.token_ids == expected
@@ -54,9 +65,13 @@ def test_counts_are_consistent(engines):
     assert r.accepted_per_position == r.proposed_per_position
     c = cut.generate(ids, 4, 40)
     assert c.proposed == sum(c.proposed_per_position) and c.accepted == sum(c.accepted_per_position)
-    assert all(a <= p for a, p in zip(c.accepted_per_position, c.proposed_per_position))
+    assert all(
+        a <= p for a, p in zip(c.accepted_per_position, c.proposed_per_position, strict=True)
+    )
     # Acceptance at position i needs acceptance at every earlier position.
-    assert all(x >= y for x, y in zip(c.accepted_per_position, c.accepted_per_position[1:]))
+    assert all(
+        x >= y for x, y in zip(c.accepted_per_position, c.accepted_per_position[1:], strict=False)
+    )
     assert c.output_tokens <= 40 and c.latency_s >= c.draft_s + c.verify_s - 1e-3
 
 
@@ -79,7 +94,9 @@ def test_max_new_tokens_is_exact(engines):
 def test_should_stop_and_streaming_callback(engines):
     tok, cut, _ = engines
     seen = []
-    r = cut.generate(ids_for(tok, "hello"), 2, 40, on_tokens=seen.extend, should_stop=lambda out: len(out) >= 5)
+    r = cut.generate(
+        ids_for(tok, "hello"), 2, 40, on_tokens=seen.extend, should_stop=lambda out: len(out) >= 5
+    )
     assert r.finish_reason == "stop" and 5 <= r.output_tokens <= 7 and seen == r.token_ids
 
 

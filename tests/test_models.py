@@ -21,7 +21,9 @@ def test_cut_draft_keeps_first_layers_and_shares_weights(tiny_pair):
     draft = models.load_model(d, "float32", "cpu")
     assert draft.config.num_hidden_layers == 1
     assert torch.equal(draft.model.embed_tokens.weight, target.model.embed_tokens.weight)
-    assert torch.equal(draft.model.layers[0].mlp.up_proj.weight, target.model.layers[0].mlp.up_proj.weight)
+    assert torch.equal(
+        draft.model.layers[0].mlp.up_proj.weight, target.model.layers[0].mlp.up_proj.weight
+    )
     assert torch.equal(draft.model.norm.weight, target.model.norm.weight)
 
 
@@ -58,7 +60,9 @@ def test_tiny_tokenizer_roundtrip_and_template():
     tok = models.build_tiny_tokenizer()
     text = "def f(x):\n    return x + 1  # é"
     assert tok.decode(tok(text)["input_ids"]) == text
-    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert rendered.endswith("<|im_start|>assistant\n")
 
 

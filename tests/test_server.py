@@ -7,14 +7,19 @@ import pytest
 import requests
 
 from pipeline.server import create_app
-from tests.conftest import free_port, run_cli, wait_http, ROOT
+from tests.conftest import ROOT, free_port, wait_http
 from tests.servers import ServerThread, tiny_core
 
 CHAT = "/v1/chat/completions"
 
 
 def chat_body(text="Write a function to add two numbers.", **kw):
-    return {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 24, **kw}
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 24,
+        **kw,
+    }
 
 
 @pytest.fixture
@@ -54,7 +59,10 @@ def test_every_mode_is_lossless_over_http(server):
         body = r.json()
         assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
         choice = body["choices"][0]
-        assert choice["finish_reason"] in ("stop", "length") and choice["message"]["role"] == "assistant"
+        assert (
+            choice["finish_reason"] in ("stop", "length")
+            and choice["message"]["role"] == "assistant"
+        )
         usage = body["usage"]
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
         details = usage["completion_tokens_details"]
@@ -69,22 +77,36 @@ def test_every_mode_is_lossless_over_http(server):
 
 
 def test_completions_endpoint_and_stop(server):
-    r = post(server, "/v1/completions", {"model": "tiny", "prompt": "def add(a, b):", "max_tokens": 20})
+    r = post(
+        server, "/v1/completions", {"model": "tiny", "prompt": "def add(a, b):", "max_tokens": 20}
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "text_completion"
     text = body["choices"][0]["text"]
     if len(text) > 3:
         stop = text[2:4]
-        r2 = post(server, "/v1/completions", {"model": "tiny", "prompt": "def add(a, b):", "max_tokens": 20, "stop": [stop]})
+        r2 = post(
+            server,
+            "/v1/completions",
+            {"model": "tiny", "prompt": "def add(a, b):", "max_tokens": 20, "stop": [stop]},
+        )
         c = r2.json()["choices"][0]
         assert c["finish_reason"] == "stop" and stop not in c["text"] and text.startswith(c["text"])
 
 
 def test_streaming_matches_non_streaming(server):
-    plain = post(server, CHAT, chat_body(phoenix={"mode": "fixed:4"})).json()["choices"][0]["message"]["content"]
-    r = requests.post(server.url + CHAT, json=chat_body(stream=True, stream_options={"include_usage": True},
-                      phoenix={"mode": "fixed:4"}), stream=True, timeout=60)
+    plain = post(server, CHAT, chat_body(phoenix={"mode": "fixed:4"})).json()["choices"][0][
+        "message"
+    ]["content"]
+    r = requests.post(
+        server.url + CHAT,
+        json=chat_body(
+            stream=True, stream_options={"include_usage": True}, phoenix={"mode": "fixed:4"}
+        ),
+        stream=True,
+        timeout=60,
+    )
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = [line[6:] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -105,25 +127,79 @@ def test_streaming_matches_non_streaming(server):
         ({"messages": [{"role": "user", "content": "x"}]}, 400, "model"),
         ({"model": "tiny", "messages": "hello"}, 400, "messages"),
         ({"model": "tiny", "messages": []}, 400, "messages"),
-        ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+        (
+            {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]},
+            400,
+            "messages.0.role",
+        ),
         ({"model": "tiny", "messages": [{"role": "user", "content": "  "}]}, 400, "messages"),
         ({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
-        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": -3}, 400, "max_tokens"),
-        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}, 400, "max_tokens"),
-        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}, 400, "max_tokens"),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": -3},
+            400,
+            "max_tokens",
+        ),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"},
+            400,
+            "max_tokens",
+        ),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9},
+            400,
+            "max_tokens",
+        ),
         ({"model": "tiny", "messages": [{"role": "user", "content": "x" * 5000}]}, 400, "messages"),
-        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400, "temperature"),
-        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 0.7}, 400, "temperature"),
-        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "phoenix": {"mode": "fixed:3"}}, 400, "phoenix.mode"),
-        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "phoenix": {"mode": "warp"}}, 400, "phoenix.mode"),
-        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "phoenix": {"speed": 1}}, 400, "phoenix.speed"),
-        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stop": [""]}, 400, "stop"),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": -1},
+            400,
+            "temperature",
+        ),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 0.7},
+            400,
+            "temperature",
+        ),
+        (
+            {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "x"}],
+                "phoenix": {"mode": "fixed:3"},
+            },
+            400,
+            "phoenix.mode",
+        ),
+        (
+            {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "x"}],
+                "phoenix": {"mode": "warp"},
+            },
+            400,
+            "phoenix.mode",
+        ),
+        (
+            {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "x"}],
+                "phoenix": {"speed": 1},
+            },
+            400,
+            "phoenix.speed",
+        ),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stop": [""]},
+            400,
+            "stop",
+        ),
         ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n"),
     ],
 )
 def test_bad_input_gets_openai_error_and_server_keeps_serving(server, raw, status, param):
     if isinstance(raw, bytes):
-        r = requests.post(server.url + CHAT, data=raw, headers={"Content-Type": "application/json"}, timeout=10)
+        r = requests.post(
+            server.url + CHAT, data=raw, headers={"Content-Type": "application/json"}, timeout=10
+        )
     else:
         r = post(server, CHAT, raw)
     assert r.status_code == status, r.text
@@ -147,7 +223,12 @@ def test_api_key(tiny_models, monkeypatch):
         r = requests.post(s.url + CHAT, json=chat_body(), timeout=10)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert "s3cret" not in r.text
-        r = requests.post(s.url + CHAT, json=chat_body(max_tokens=4), headers={"Authorization": "Bearer s3cret"}, timeout=30)
+        r = requests.post(
+            s.url + CHAT,
+            json=chat_body(max_tokens=4),
+            headers={"Authorization": "Bearer s3cret"},
+            timeout=30,
+        )
         assert r.status_code == 200
 
 
@@ -156,22 +237,39 @@ def test_concurrent_burst_gets_200s_and_429s_never_500(tiny_models):
     with ServerThread(app) as s:
         wait_http(s.url + "/health")
         with ThreadPoolExecutor(12) as pool:
-            rs = list(pool.map(lambda i: requests.post(s.url + CHAT, json=chat_body(max_tokens=48, phoenix={"mode": "target"}), timeout=120), range(12)))
+            rs = list(
+                pool.map(
+                    lambda i: requests.post(
+                        s.url + CHAT,
+                        json=chat_body(max_tokens=48, phoenix={"mode": "target"}),
+                        timeout=120,
+                    ),
+                    range(12),
+                )
+            )
         codes = [r.status_code for r in rs]
         assert set(codes) <= {200, 429} and 200 in codes and 429 in codes, codes
-        assert all(r.json()["error"]["type"] == "rate_limit_error" for r in rs if r.status_code == 429)
+        assert all(
+            r.json()["error"]["type"] == "rate_limit_error" for r in rs if r.status_code == 429
+        )
         texts = {r.json()["choices"][0]["message"]["content"] for r in rs if r.status_code == 200}
         assert len(texts) == 1  # same prompt, greedy: same answer, whoever went first
         # The queue drains: the server serves again afterwards.
-        assert requests.post(s.url + CHAT, json=chat_body(max_tokens=4), timeout=60).status_code == 200
+        assert (
+            requests.post(s.url + CHAT, json=chat_body(max_tokens=4), timeout=60).status_code == 200
+        )
 
 
 def test_client_disconnect_frees_the_slot(tiny_models):
     app = create_app(lambda: tiny_core(tiny_models), queue_size=1)
     with ServerThread(app) as s:
         wait_http(s.url + "/health")
-        r = requests.post(s.url + CHAT, json=chat_body(max_tokens=800, stream=True, phoenix={"mode": "target"}),
-                          stream=True, timeout=60)
+        r = requests.post(
+            s.url + CHAT,
+            json=chat_body(max_tokens=800, stream=True, phoenix={"mode": "target"}),
+            stream=True,
+            timeout=60,
+        )
         next(r.iter_lines())
         r.close()  # walk away mid-stream
         deadline = time.monotonic() + 30
@@ -193,8 +291,24 @@ def test_restart_keeps_bandit_state(tmp_path):
 
         port = free_port()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline", "serve", "--config", "configs/ci.yaml", "--artifacts", str(art),
-             "--port", str(port), "--mode", "bandit"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            [
+                sys.executable,
+                "-m",
+                "pipeline",
+                "serve",
+                "--config",
+                "configs/ci.yaml",
+                "--artifacts",
+                str(art),
+                "--port",
+                str(port),
+                "--mode",
+                "bandit",
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         wait_http(f"http://127.0.0.1:{port}/health", timeout=120)
         return proc, f"http://127.0.0.1:{port}"
 
@@ -202,7 +316,9 @@ def test_restart_keeps_bandit_state(tmp_path):
     model = requests.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
     try:
         for _ in range(3):
-            r = requests.post(url + CHAT, json={**chat_body(max_tokens=8), "model": model}, timeout=60)
+            r = requests.post(
+                url + CHAT, json={**chat_body(max_tokens=8), "model": model}, timeout=60
+            )
             assert r.status_code == 200, r.text
     finally:
         proc.terminate()

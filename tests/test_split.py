@@ -8,7 +8,10 @@ from tests.conftest import run_cli
 
 
 def rows(n):
-    return [{"task_id": i, "text": f"problem {i}", "test_list": [f"assert f({i})"], "code": ""} for i in range(1, n + 1)]
+    return [
+        {"task_id": i, "text": f"problem {i}", "test_list": [f"assert f({i})"], "code": ""}
+        for i in range(1, n + 1)
+    ]
 
 
 def test_split_is_disjoint_sized_and_deterministic():
@@ -60,7 +63,10 @@ def test_split_cli_end_to_end(tmp_path, mbpp_path):
     assert len(train) == 500 and len(test) == 50
     assert not {r["task_id"] for r in train} & {r["task_id"] for r in test}
     assert all(r["prompt"] and isinstance(r["task_id"], int) for r in train + test)
-    assert manifest["source_sha256"] == "ccf64ceae9c5403bf50a044cb6d505bfd2a2963ee58338ba268fd65beab92a9f"
+    assert (
+        manifest["source_sha256"]
+        == "ccf64ceae9c5403bf50a044cb6d505bfd2a2963ee58338ba268fd65beab92a9f"
+    )
     assert manifest["train_task_ids"] == [r["task_id"] for r in train]
     assert (data / "config.yaml").is_file()
     before = {p.name: p.read_bytes() for p in data.iterdir()}
@@ -84,5 +90,7 @@ def test_split_cli_bad_input_exit_2_keeps_earlier_output(tmp_path, mbpp_path):
 
 
 def test_missing_source_is_a_clear_error(tmp_path):
-    r = run_cli("split", "--artifacts", str(tmp_path), env={"PHOENIX_MBPP": str(tmp_path / "nope.jsonl")})
+    r = run_cli(
+        "split", "--artifacts", str(tmp_path), env={"PHOENIX_MBPP": str(tmp_path / "nope.jsonl")}
+    )
     assert r.returncode == 2 and "MBPP file not found" in r.stderr

@@ -134,5 +134,7 @@ def load_bandit(bandit: EpsilonGreedy, path: Path) -> str:
     except (ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
         aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
         path.rename(aside)
-        log.warning("bandit state %s is unusable (%s); set aside as %s, starting fresh", path, exc, aside)
+        log.warning(
+            "bandit state %s is unusable (%s); set aside as %s, starting fresh", path, exc, aside
+        )
         return "corrupt"

@@ -139,9 +139,15 @@ class ServingCore:
         return self.engine.max_context
 
     def mode(self, text: str | None) -> Mode:
-        return self.default_mode if text is None else parse_mode(text, self.bandit.arms, self.has_draft)
+        return (
+            self.default_mode
+            if text is None
+            else parse_mode(text, self.bandit.arms, self.has_draft)
+        )
 
-    def chat_prompt_ids(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    def chat_prompt_ids(
+        self, messages: list[dict], template_kwargs: dict | None = None
+    ) -> list[int]:
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
         )
@@ -201,7 +207,12 @@ def build_core(cfg, ws, mode: str | None = None, load_draft: bool | None = None)
     engine = SpecEngine(target, draft, eos_token_ids=eos_ids(tok, target))
     b = cfg.bandit
     bandit = EpsilonGreedy(
-        b.arms, random.Random(b.seed), b.warmup_pulls, b.epsilon_start, b.epsilon_floor, b.epsilon_decay
+        b.arms,
+        random.Random(b.seed),
+        b.warmup_pulls,
+        b.epsilon_start,
+        b.epsilon_floor,
+        b.epsilon_decay,
     )
     return ServingCore(
         engine,
