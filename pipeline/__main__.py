@@ -17,7 +17,7 @@ from .workspace import Workspace, atomic_write_text
 
 log = logging.getLogger("pipeline")
 
-STAGES = ["split", "serve", "demo"]
+STAGES = ["split", "distill", "serve", "demo"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +65,7 @@ def run_stage(stage: str, cfg: Config, ws: Workspace, args: argparse.Namespace) 
 
         server.serve(cfg, ws, args.host, args.port, args.mode)
     elif stage == "demo":
-        for s in ("split",):
+        for s in ("split", "distill"):
             log.info("=== demo: %s ===", s)
             run_stage(s, cfg, ws, args)
 

@@ -437,6 +437,9 @@ def create_app(
                 "logprobs": None,
             }
             obj = "text_completion"
+        ph = phoenix_of(res)
+        if not res.stopped_by_string:  # the exact ids, for distillation on the teacher's tokens
+            ph["token_ids"] = res.result.token_ids
         return {
             "id": rid,
             "object": obj,
@@ -444,7 +447,7 @@ def create_app(
             "model": core.model_id,
             "choices": [choice],
             "usage": usage_of(res, n_prompt),
-            "phoenix": phoenix_of(res),
+            "phoenix": ph,
         }
 
     @app.post("/v1/chat/completions")

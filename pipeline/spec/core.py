@@ -106,6 +106,7 @@ class CoreResult:
     result: GenerationResult
     decision: Decision | None
     cancelled: bool = False
+    stopped_by_string: bool = False
 
 
 class ServingCore:
@@ -188,7 +189,7 @@ class ServingCore:
             self.bandit.update(k, result.tokens_per_second)
             if self.state_file is not None:
                 save_bandit(self.bandit, self.state_file)
-        return CoreResult(tracker.text, finish, mode, result, decision, cancelled)
+        return CoreResult(tracker.text, finish, mode, result, decision, cancelled, tracker.stopped)
 
 
 def build_core(cfg, ws, mode: str | None = None, load_draft: bool | None = None) -> ServingCore:

@@ -1,0 +1,453 @@
+"""Distillation: the target (the teacher) answers every training prompt.
+
+    python -m pipeline distill --config configs/default.yaml     (or: make distill)
+
+Reads <artifacts>/data/train.jsonl, writes <artifacts>/teacher/answers.jsonl (one row per
+task_id, appended and flushed per answer, resumable) and summary.json. The teacher is any
+OpenAI-compatible endpoint (`teacher.url`), or `local`: Phoenix's own server in target-only
+mode, started as a subprocess on a free loopback port and stopped afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import email.utils
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import requests
+from tqdm import tqdm
+
+from .config import Config, dump_config
+from .errors import InputError, PhoenixError, TeacherUnavailable
+from .workspace import Workspace, atomic_write_json, atomic_write_text, read_jsonl
+
+log = logging.getLogger(__name__)
+
+RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
+
+
+class TeacherRequestError(PhoenixError):
+    """The teacher refused a request in a way retrying cannot fix (a 4xx other than 408/429)."""
+
+    exit_code = 2
+
+
+class RetryBudget:
+    """Retries shared by every request of a stage, so a sick teacher cannot stall it forever."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> bool:
+        with self._lock:
+            if self.used >= self.total:
+                return False
+            self.used += 1
+            return True
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """Parse Retry-After: delta-seconds or an HTTP date."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+        return max(0.0, when.timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
+
+
+@dataclass
+class Answer:
+    completion: str
+    finish_reason: str
+    completion_tokens: int
+    prompt_tokens: int | None
+    model: str
+    latency_s: float
+    token_ids: list[int] | None = None
+
+
+class TeacherClient:
+    """One OpenAI-compatible endpoint: readiness wait, chat completions with retries."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        request_timeout_s: float = 300.0,
+        max_retries: int = 5,
+        budget: RetryBudget | None = None,
+        backoff_cap_s: float = 8.0,
+    ):
+        self.base_url = base_url.rstrip("/")
+        root = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
+        self.health_url = root + "/health"
+        self.request_timeout_s = request_timeout_s
+        self.max_retries = max_retries
+        self.budget = budget or RetryBudget(10**9)
+        self.backoff_cap_s = backoff_cap_s
+        self.cancel = threading.Event()  # set to stop retrying (Ctrl-C, another request failed)
+        self.session = requests.Session()
+        if api_key:
+            self.session.headers["Authorization"] = f"Bearer {api_key}"
+
+    def __repr__(self) -> str:  # never shows the key
+        return f"TeacherClient({self.base_url})"
+
+    # --- readiness ---------------------------------------------------------------------------
+    def wait_ready(self, model: str, timeout_s: float) -> None:
+        """Poll /health until 200 (a 404 means the server has none), then /models until it lists
+        `model`. Exponential backoff capped at a few seconds; auth failures fail at once."""
+        deadline = time.monotonic() + timeout_s
+        delay = 0.25
+        last = "no answer yet"
+        health_done = False
+        served: list[str] = []
+        while True:
+            try:
+                if not health_done:
+                    r = self.session.get(self.health_url, timeout=10)
+                    self._fail_on_auth(r)
+                    last = f"GET {self.health_url} -> {r.status_code}"
+                    health_done = r.status_code in (200, 404)
+                if health_done:
+                    r = self.session.get(self.base_url + "/models", timeout=10)
+                    self._fail_on_auth(r)
+                    last = f"GET {self.base_url}/models -> {r.status_code}"
+                    if r.status_code == 200:
+                        served = [m.get("id") for m in r.json().get("data", [])]
+                        if model in served:
+                            log.info("teacher ready at %s, serving %s", self.base_url, model)
+                            return
+                        last += f" (serves {served}, not yet {model!r})"
+            except (requests.ConnectionError, requests.Timeout) as exc:
+                last = f"{type(exc).__name__} connecting to {self.base_url}"
+            except (ValueError, AttributeError):
+                last = f"GET {self.base_url}/models -> malformed body"
+            if time.monotonic() + delay > deadline:
+                detail = f"; it serves {served}" if served else ""
+                raise TeacherUnavailable(
+                    f"teacher at {self.base_url} not ready for model {model!r} after {timeout_s:.0f}s "
+                    f"(last: {last}){detail}"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 4.0)
+
+    @staticmethod
+    def _fail_on_auth(r: requests.Response) -> None:
+        if r.status_code in (401, 403):
+            raise TeacherRequestError(
+                f"teacher refused our credentials ({r.status_code}) at {r.url}: set the API key "
+                "environment variable named by teacher.api_key_env"
+            )
+
+    # --- generation --------------------------------------------------------------------------
+    def chat(
+        self,
+        model: str,
+        messages: list[dict],
+        max_tokens: int,
+        temperature: float = 0.0,
+        extra: dict[str, Any] | None = None,
+    ) -> tuple[Answer, int]:
+        """One chat completion; returns the answer and the retries it took."""
+        body = {
+            "model": model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            **(extra or {}),
+        }
+        retries = 0
+        while True:
+            t0 = time.perf_counter()
+            wait_s: float | None = None
+            try:
+                r = self.session.post(
+                    self.base_url + "/chat/completions", json=body, timeout=self.request_timeout_s
+                )
+                if r.status_code == 200:
+                    return self._parse(r, model, time.perf_counter() - t0), retries
+                if r.status_code not in RETRYABLE_STATUS:
+                    raise TeacherRequestError(
+                        f"teacher answered {r.status_code} to a chat request: {_error_message(r)}"
+                    )
+                problem = f"HTTP {r.status_code}: {_error_message(r)}"
+                wait_s = retry_after_seconds(r.headers.get("Retry-After"))
+            except (
+                requests.ConnectionError,
+                requests.Timeout,
+                requests.exceptions.ChunkedEncodingError,
+            ) as exc:
+                problem = f"{type(exc).__name__}"
+            except _Malformed as exc:
+                problem = f"malformed response: {exc}"
+            if self.cancel.is_set():
+                raise TeacherUnavailable(
+                    f"teacher request abandoned: the stage is stopping (last: {problem})"
+                )
+            if retries >= self.max_retries or not self.budget.take():
+                raise TeacherUnavailable(
+                    f"teacher request failed after {retries} retries (last: {problem})"
+                )
+            retries += 1
+            if wait_s is None:
+                wait_s = min(self.backoff_cap_s, 0.5 * 2 ** (retries - 1))
+            log.warning("teacher: %s; retry %d in %.1fs", problem, retries, wait_s)
+            time.sleep(wait_s)
+
+    @staticmethod
+    def _parse(r: requests.Response, model: str, latency: float) -> Answer:
+        try:
+            data = r.json()
+            choice = data["choices"][0]
+            content = choice["message"]["content"]
+            if not isinstance(content, str):
+                raise TypeError("content is not a string")
+            usage = data.get("usage") or {}
+            ids = (data.get("phoenix") or {}).get("token_ids")
+            return Answer(
+                completion=content,
+                finish_reason=choice.get("finish_reason") or "stop",
+                completion_tokens=int(usage.get("completion_tokens", len(ids or []))),
+                prompt_tokens=usage.get("prompt_tokens"),
+                model=data.get("model", model),
+                latency_s=latency,
+                token_ids=ids,
+            )
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise _Malformed(f"{type(exc).__name__}: {exc}") from None
+
+
+class _Malformed(Exception):
+    pass
+
+
+def _error_message(r: requests.Response) -> str:
+    try:
+        return str(r.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return r.text[:300]
+
+
+# --- local teacher ---------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> (
+    None
+):  # runs in the child before exec (Linux): no orphans, even on kill -9
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@contextlib.contextmanager
+def local_teacher(cfg: Config, ws: Workspace) -> Iterator[str]:
+    """Start `python -m pipeline serve --mode target` on a free loopback port; yield its URL."""
+    ws.teacher.mkdir(parents=True, exist_ok=True)
+    cfg_file = ws.teacher / ".local-teacher.yaml"
+    atomic_write_text(cfg_file, dump_config(cfg))
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != cfg.server.api_key_env}
+    log_path = ws.teacher / "local-teacher.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline",
+        "serve",
+        "--config",
+        str(cfg_file),
+        "--artifacts",
+        str(ws.root),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--mode",
+        "target",
+    ]
+    log.info("starting the local teacher (target only) on 127.0.0.1:%d; log: %s", port, log_path)
+    with open(log_path, "ab") as logf:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.info("local teacher stopped")
+
+
+# --- the stage ---------------------------------------------------------------------------------
+def load_answers(path: Path) -> dict[int, dict]:
+    """Rows already written, by task_id. A torn last line (a crash mid-write) is cut off."""
+    if not path.exists():
+        return {}
+    raw = path.read_bytes()
+    cut = raw.rfind(b"\n") + 1
+    if cut < len(raw):
+        log.warning(
+            "%s: dropping a torn last line (%d bytes) from an interrupted run", path, len(raw) - cut
+        )
+        with open(path, "r+b") as f:
+            f.truncate(cut)
+    rows: dict[int, dict] = {}
+    for n, line in enumerate(raw[:cut].decode("utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            rows.setdefault(int(row["task_id"]), row)
+        except (ValueError, KeyError, TypeError):
+            raise InputError(
+                f"{path}:{n}: not a valid answer row; move the file aside to start over"
+            ) from None
+    return rows
+
+
+def run(cfg: Config, ws: Workspace) -> dict[str, Any]:
+    if not ws.train_file.exists():
+        raise InputError(f"{ws.train_file} is missing: run the split stage first (make split)")
+    prompts = read_jsonl(ws.train_file)
+    if cfg.distill.limit is not None:
+        prompts = prompts[: cfg.distill.limit]
+    done = load_answers(ws.answers_file)
+    wanted = {p["task_id"] for p in prompts}
+    todo = [p for p in prompts if p["task_id"] not in done]
+    log.info(
+        "distill: %d prompts, %d already answered, %d to go",
+        len(prompts),
+        len(wanted & set(done)),
+        len(todo),
+    )
+    model = cfg.teacher.model or cfg.models.served_name or cfg.models.target
+    stats = {"retries": 0, "tokens": 0}
+    t_start = time.perf_counter()
+    if todo:
+        if cfg.teacher.url == "local":
+            with local_teacher(cfg, ws) as url:
+                _answer_all(cfg, ws, url, model, todo, stats)
+        else:
+            _answer_all(cfg, ws, cfg.teacher.url, model, todo, stats)
+    elapsed = time.perf_counter() - t_start
+    rows = load_answers(ws.answers_file)
+    mine = [rows[i] for i in (p["task_id"] for p in prompts) if i in rows]
+    missing = wanted - set(rows)
+    if missing:
+        raise PhoenixError(
+            f"{len(missing)} prompts still lack an answer: rerun distill to finish them"
+        )
+    summary = {
+        "answers": len(mine),
+        "truncated": sum(r["finish_reason"] == "length" for r in mine),
+        "answered_this_run": len(todo),
+        "retries": stats["retries"],
+        "mean_latency_s": sum(r["latency_s"] for r in mine) / len(mine) if mine else 0.0,
+        "completion_tokens": sum(r["completion_tokens"] for r in mine),
+        "elapsed_s_this_run": elapsed,
+        "answers_per_minute_this_run": len(todo) / elapsed * 60 if todo and elapsed > 0 else None,
+        "tokens_per_second_this_run": stats["tokens"] / elapsed if todo and elapsed > 0 else None,
+        "teacher": "local" if cfg.teacher.url == "local" else cfg.teacher.url,
+        "model": model,
+        "concurrency": cfg.teacher.concurrency,
+    }
+    atomic_write_json(ws.teacher / "summary.json", summary)
+    log.info("distill summary: %s", json.dumps(summary))
+    return summary
+
+
+def _answer_all(
+    cfg: Config, ws: Workspace, url: str, model: str, todo: list[dict], stats: dict
+) -> None:
+    t = cfg.teacher
+    api_key = os.environ.get(t.api_key_env) if t.url != "local" else None
+    client = TeacherClient(
+        url, api_key, t.request_timeout_s, t.max_retries, RetryBudget(t.retry_budget)
+    )
+    client.wait_ready(model, t.ready_timeout_s)
+    extra: dict[str, Any] = {}
+    if t.enable_thinking is not None:
+        extra["chat_template_kwargs"] = {"enable_thinking": t.enable_thinking}
+    ws.teacher.mkdir(parents=True, exist_ok=True)
+    lock = threading.Lock()
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(todo), desc="teacher answers", unit="ans", dynamic_ncols=True)
+
+    def one(p: dict) -> None:
+        answer, retries = client.chat(
+            model, [{"role": "user", "content": p["prompt"]}], t.max_tokens, t.temperature, extra
+        )
+        row = {
+            "task_id": p["task_id"],
+            "prompt": p["prompt"],
+            "completion": answer.completion,
+            "finish_reason": answer.finish_reason,
+            "completion_tokens": answer.completion_tokens,
+            "prompt_tokens": answer.prompt_tokens,
+            "model": answer.model,
+            "latency_s": round(answer.latency_s, 4),
+        }
+        if answer.token_ids is not None:
+            row["completion_token_ids"] = answer.token_ids
+        line = json.dumps(row, ensure_ascii=False) + "\n"
+        with lock:
+            with open(ws.answers_file, "a", encoding="utf-8") as f:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
+            stats["retries"] += retries
+            stats["tokens"] += answer.completion_tokens
+            bar.update(1)
+            bar.set_postfix(
+                tok_s=f"{stats['tokens'] / (time.perf_counter() - t0):.1f}",
+                retries=stats["retries"],
+            )
+
+    pool = ThreadPoolExecutor(max_workers=t.concurrency, thread_name_prefix="teacher")
+    try:
+        futures = [pool.submit(one, p) for p in todo]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for f in done:
+            if f.exception() is not None:
+                raise f.exception()
+    finally:
+        # On failure or Ctrl-C: queued prompts are dropped, in-flight ones stop retrying.
+        # Answers already written stay; the next run skips them.
+        client.cancel.set()
+        pool.shutdown(wait=False, cancel_futures=True)
+        bar.close()
