@@ -17,7 +17,7 @@ from .workspace import Workspace, atomic_write_text
 
 log = logging.getLogger("pipeline")
 
-STAGES = ["split", "distill", "serve", "demo"]
+STAGES = ["split", "distill", "train", "merge", "serve", "demo"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="serve: address to bind (default from config: 127.0.0.1)")
     p.add_argument("--port", type=int, help="serve: port (default from config)")
     p.add_argument("--mode", help="serve: target | fixed:K | bandit (default from config)")
+    p.add_argument("--force", action="store_true", help="train: train again even if finished")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
@@ -60,12 +61,21 @@ def run_stage(stage: str, cfg: Config, ws: Workspace, args: argparse.Namespace) 
 
         teacher.run(cfg, ws)
         atomic_write_text(ws.teacher / "config.yaml", text)
+    elif stage == "train":
+        from . import train
+
+        train.run(cfg, ws, force=args.force)
+        atomic_write_text(ws.adapter / "config.yaml", text)
+    elif stage == "merge":
+        from . import merge
+
+        merge.run(cfg, ws)
     elif stage == "serve":
         from . import server
 
         server.serve(cfg, ws, args.host, args.port, args.mode)
     elif stage == "demo":
-        for s in ("split", "distill"):
+        for s in ("split", "distill", "train", "merge"):
             log.info("=== demo: %s ===", s)
             run_stage(s, cfg, ws, args)
 

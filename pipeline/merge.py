@@ -1,0 +1,220 @@
+"""Fold the adapter into full weights, verify, save a plain model directory, and publish it.
+
+    python -m pipeline merge --config configs/default.yaml     (or: make merge)
+
+Reads <artifacts>/adapter/model (+ the base draft); writes <artifacts>/merged/ (safetensors,
+config, generation config, tokenizer, chat template, README.md model card) that transformers
+loads without PEFT and vLLM can use as a draft model; then pushes it to the local registry
+(default) or the Hugging Face Hub, per `publish`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from .config import Config, dump_config
+from .errors import InputError, VerificationError
+from .workspace import Workspace, atomic_write_json, make_temp_dir, read_jsonl, sha256_file
+
+log = logging.getLogger(__name__)
+
+
+def verification_inputs(cfg: Config, ws: Workspace, tok) -> list[list[int]]:
+    from .train import template_kwargs
+
+    rows = read_jsonl(ws.test_file) if ws.test_file.exists() else []
+    texts = [r["prompt"] for r in rows[: cfg.merge.verify_prompts]] or [
+        "Write a function to add two numbers."
+    ]
+    out = []
+    for text in texts:
+        rendered = tok.apply_chat_template(
+            [{"role": "user", "content": text}],
+            tokenize=False,
+            add_generation_prompt=True,
+            **template_kwargs(cfg),
+        )
+        out.append(tok(rendered, add_special_tokens=False)["input_ids"][-256:])
+    return out
+
+
+def logits_of(model, prompts: list[list[int]]):
+    import torch
+
+    with torch.inference_mode():
+        dev = next(model.parameters()).device
+        return [
+            model(input_ids=torch.tensor([p], device=dev)).logits.float().cpu() for p in prompts
+        ]
+
+
+def max_diff(a, b) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
+
+
+def run(cfg: Config, ws: Workspace) -> dict[str, Any]:
+    from . import models
+
+    metrics_file = ws.adapter / "metrics.json"
+    trained = ws.adapter / "model"
+    if not metrics_file.exists() or not trained.is_dir():
+        raise InputError(
+            f"no finished training in {ws.adapter}: run the train stage first (make train)"
+        )
+    metrics = json.loads(metrics_file.read_text())
+    tok = models.load_tokenizer(str(trained))
+    prompts = verification_inputs(cfg, ws, tok)
+    device = models.pick_device(cfg.models.device)
+
+    if metrics["method"] == "lora":
+        from peft import PeftModel
+
+        base = models.load_model(metrics["base_draft"], "float32", device)
+        peft_model = PeftModel.from_pretrained(base, str(trained))
+        expected = logits_of(peft_model, prompts)  # the adapter applied on the fly
+        merged = peft_model.merge_and_unload()
+    else:
+        merged = models.load_model(str(trained), "float32", device)
+        expected = logits_of(merged, prompts)
+    diff_inmem = max_diff(expected, logits_of(merged, prompts))
+    if diff_inmem > cfg.merge.atol:
+        raise VerificationError(
+            f"merged model differs from base+adapter: max logit diff {diff_inmem:.2e} "
+            f"> {cfg.merge.atol:.0e}; nothing saved or published"
+        )
+
+    ws.root.mkdir(parents=True, exist_ok=True)
+    tmp = make_temp_dir(ws.root, ".merged.")
+    try:
+        merged.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        base_gen = Path(metrics["base_draft"]) / "generation_config.json"
+        if not (tmp / "generation_config.json").exists() and base_gen.exists():
+            shutil.copy(base_gen, tmp / "generation_config.json")
+        # Verify what is on disk, loaded the plain way: no PEFT, as vLLM or a user would.
+        reloaded = models.load_model(str(tmp), "float32", device)
+        diff_disk = max_diff(expected, logits_of(reloaded, prompts))
+        if diff_disk > cfg.merge.atol:
+            raise VerificationError(
+                f"saved merged model differs from base+adapter after reload: max logit "
+                f"diff {diff_disk:.2e} > {cfg.merge.atol:.0e}; nothing published"
+            )
+        if (tmp / "adapter_config.json").exists():
+            raise VerificationError("merged directory still holds an adapter config")
+        info = {
+            "method": metrics["method"],
+            "base_draft": cfg.models.draft,
+            "base_draft_dir": metrics["base_draft"],
+            "teacher": cfg.teacher.model or cfg.models.served_name or cfg.models.target,
+            "verify_max_logit_diff": max(diff_inmem, diff_disk),
+            "verify_prompts": len(prompts),
+            "weights_sha256": sha256_file(tmp / "model.safetensors")
+            if (tmp / "model.safetensors").exists()
+            else None,
+        }
+        (tmp / "README.md").write_text(model_card(cfg, ws, metrics, info))
+        (tmp / "phoenix.json").write_text(json.dumps(info, indent=2) + "\n")
+        (tmp / "phoenix-config.yaml").write_text(dump_config(cfg))
+        _replace_dir(tmp, ws.merged)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info(
+        "merge: verified (max logit diff %.2e) and saved %s",
+        info["verify_max_logit_diff"],
+        ws.merged,
+    )
+
+    from . import publish
+
+    info["merged_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    info["published"] = publish.publish(cfg, ws, ws.merged)
+    atomic_write_json(ws.root / "merge.json", info)
+    return info
+
+
+def _replace_dir(new: Path, final: Path) -> None:
+    """Swap a finished directory into place; the old one goes only once the new one is there."""
+    old = final.with_name(f".{final.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    new.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def model_card(cfg: Config, ws: Workspace, metrics: dict, info: dict) -> str:
+    manifest_file = ws.data / "manifest.json"
+    manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else {}
+    bench_file = ws.bench / "results.json"
+    acceptance = None
+    if bench_file.exists():
+        rows = json.loads(bench_file.read_text()).get("rows", [])
+        acceptance = {
+            f"{r['draft']}/{r['mode']}": r.get("acceptance_rate")
+            for r in rows
+            if r.get("acceptance_rate") is not None
+        }
+    t = cfg.train
+    from .models import hub_id_of
+
+    base_model = hub_id_of(
+        cfg.models.target if cfg.models.draft.startswith("cut:") else cfg.models.draft
+    )
+    lines = [
+        "---",
+        *([f"base_model: {base_model}"] if base_model else []),
+        "library_name: transformers",
+        "pipeline_tag: text-generation",
+        "tags: [phoenix, speculative-decoding, draft-model, distillation]",
+        "datasets: [google-research-datasets/mbpp]",
+        "---",
+        "",
+        "# Phoenix draft model",
+        "",
+        f"A speculative-decoding draft for **{info['teacher']}**, distilled on the teacher's own answers "
+        "to MBPP training prompts.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| base draft | `{cfg.models.draft}` |",
+        f"| teacher (target) | `{info['teacher']}` |",
+        f"| dataset | MBPP `{manifest.get('source', '?')}`, sha256 `{manifest.get('source_sha256', '?')}` |",
+        f"| split | seed {manifest.get('seed', '?')}, {manifest.get('train_size', '?')} train / "
+        f"{manifest.get('test_size', '?')} held-out |",
+        f"| teacher answers used | {metrics['examples']} ({metrics['completion_tokens']} completion tokens) |",
+        f"| method | {metrics['method']}"
+        + (
+            f" (r={t.lora_r}, alpha={t.lora_alpha}, dropout={t.lora_dropout}, "
+            f"targets={t.target_modules})"
+            if metrics["method"] == "lora"
+            else ""
+        )
+        + " |",
+        f"| training | lr {t.learning_rate}, epochs {t.epochs}, batch {t.batch_size} x accum {t.grad_accum}, "
+        f"max_length {t.max_length}, seed {t.seed}, {metrics['global_steps']} steps |",
+        f"| loss | {_num(metrics['first_loss'])} -> {_num(metrics['last_loss'])} |",
+        f"| merge check | max logit diff vs base+adapter {info['verify_max_logit_diff']:.2e} on "
+        f"{info['verify_prompts']} held-out prompts |",
+    ]
+    if acceptance:
+        lines.append(
+            "| held-out acceptance | "
+            + ", ".join(f"{k}: {v:.3f}" for k, v in acceptance.items())
+            + " |"
+        )
+    lines += [
+        "",
+        "Use it as a draft (assistant) model with its target, e.g. in vLLM's speculative decoding.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _num(x) -> str:
+    return "n/a" if x is None else f"{x:.4f}"

@@ -1,0 +1,136 @@
+"""Publish a merged model: a local registry of immutable versions, or the Hugging Face Hub."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from .config import Config
+from .errors import ConfigError, PhoenixError
+from .workspace import Workspace, atomic_write_json, make_temp_dir, sha256_file
+
+log = logging.getLogger(__name__)
+
+
+def run_id() -> str:
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+
+
+def content_hash(folder: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+        h.update(f.relative_to(folder).as_posix().encode())
+        h.update(sha256_file(f).encode())
+    return h.hexdigest()
+
+
+def publish(cfg: Config, ws: Workspace, folder: Path, rid: str | None = None) -> dict[str, Any]:
+    p = cfg.publish
+    rid = rid or run_id()
+    files = sorted(str(f.relative_to(folder)) for f in folder.rglob("*") if f.is_file())
+    if p.target == "none":
+        return {"target": "none"}
+    if p.dry_run:
+        where = p.repo_id if p.target == "hub" else str(registry_root(cfg, ws) / p.name)
+        log.info(
+            "publish (dry run): would push %d files to %s %s: %s",
+            len(files),
+            p.target,
+            where,
+            files,
+        )
+        return {"target": p.target, "dry_run": True, "destination": where, "files": files}
+    if p.target == "local":
+        return push_local(registry_root(cfg, ws) / p.name, folder, rid)
+    return push_hub(cfg, folder, rid)
+
+
+def registry_root(cfg: Config, ws: Workspace) -> Path:
+    return Path(cfg.publish.registry) if cfg.publish.registry else ws.root / "registry"
+
+
+def push_local(model_root: Path, folder: Path, rid: str) -> dict[str, Any]:
+    """Each push is a new immutable version: copied under a temporary name, then renamed."""
+    model_root.mkdir(parents=True, exist_ok=True)
+    digest = content_hash(folder)
+    for existing in sorted(model_root.glob("v*")):
+        meta = existing / "phoenix-version.json"
+        if meta.exists() and json.loads(meta.read_text()).get("content_sha256") == digest:
+            log.info("publish: identical content already registered as %s", existing)
+            return {
+                "target": "local",
+                "version": existing.name,
+                "path": str(existing),
+                "new": False,
+            }
+    n = 1 + max((int(d.name[1:5]) for d in model_root.glob("v[0-9][0-9][0-9][0-9]-*")), default=0)
+    version = f"v{n:04d}-{rid}"
+    tmp = make_temp_dir(model_root, f".{version}.")
+    try:
+        shutil.copytree(folder, tmp, dirs_exist_ok=True)
+        (tmp / "phoenix-version.json").write_text(
+            json.dumps({"version": version, "run_id": rid, "content_sha256": digest}, indent=2)
+            + "\n"
+        )
+        final = model_root / version
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    atomic_write_json(model_root / "latest.json", {"version": version, "path": str(final)})
+    log.info("publish: registered %s", final)
+    return {"target": "local", "version": version, "path": str(final), "new": True}
+
+
+def push_hub(cfg: Config, folder: Path, rid: str) -> dict[str, Any]:
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    p = cfg.publish
+    if not p.repo_id:
+        raise ConfigError("publish.target is hub but publish.repo_id is not set")
+    token = os.environ.get(p.token_env)
+    if not token:
+        raise ConfigError(
+            f"publish.target is hub but the environment variable {p.token_env} is not set"
+        )
+    api = HfApi(token=token)
+    attempt = 0
+    while True:
+        try:
+            api.create_repo(p.repo_id, private=p.private, exist_ok=True)
+            info = api.upload_folder(
+                folder_path=str(folder),
+                repo_id=p.repo_id,
+                commit_message=f"Phoenix draft, run {rid}",
+            )
+            log.info("publish: pushed to the Hub %s (%s)", p.repo_id, getattr(info, "oid", ""))
+            return {
+                "target": "hub",
+                "repo_id": p.repo_id,
+                "commit": getattr(info, "oid", None),
+                "url": getattr(info, "commit_url", None),
+                "run_id": rid,
+            }
+        except HfHubHTTPError as exc:
+            status = getattr(exc.response, "status_code", None)
+            if status in (401, 403):
+                raise PhoenixError(
+                    f"the Hub refused the token in {p.token_env} ({status})"
+                ) from None
+            if attempt >= p.retries or (status is not None and status < 500 and status != 429):
+                raise PhoenixError(f"push to the Hub failed: {exc}") from None
+        except OSError as exc:  # connection problems
+            if attempt >= p.retries:
+                raise PhoenixError(f"push to the Hub failed: {exc}") from None
+        attempt += 1
+        wait = min(30.0, 2.0**attempt)
+        log.warning("publish: Hub push failed; retry %d in %.0fs", attempt, wait)
+        time.sleep(wait)

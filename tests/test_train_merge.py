@@ -1,0 +1,303 @@
+import json
+import shutil
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from pipeline.train import build_examples
+from tests.conftest import run_cli
+from tests.fake_hub import FakeHub
+
+
+@pytest.fixture(scope="module")
+def distilled(tmp_path_factory):
+    """A workspace after split + distill on configs/ci.yaml (local tiny teacher)."""
+    from tests.conftest import MBPP
+
+    if not MBPP.is_file():
+        pytest.skip("MBPP not present")
+    art = tmp_path_factory.mktemp("ws")
+    for stage in ("split", "distill"):
+        r = run_cli(stage, "--config", "configs/ci.yaml", "--artifacts", str(art))
+        assert r.returncode == 0, r.stderr
+    return art
+
+
+def fresh_copy(distilled, tmp_path):
+    art = tmp_path / "art"
+    shutil.copytree(distilled, art, ignore=shutil.ignore_patterns("adapter", "merged", "registry"))
+    return art
+
+
+TRAIN = [
+    "--set",
+    "train.max_steps=8",
+    "--set",
+    "train.save_steps=2",
+    "--set",
+    "train.batch_size=2",
+    "--set",
+    "train.learning_rate=0.01",
+]
+
+
+def test_examples_mask_the_prompt_and_keep_teacher_tokens():
+    from pipeline.models import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    answers = [
+        {
+            "prompt": "p1",
+            "completion": "ignored",
+            "completion_token_ids": [5, 6, 7],
+            "finish_reason": "stop",
+        },
+        {"prompt": "p2", "completion": "abc", "finish_reason": "length"},
+    ]
+    rows = build_examples(answers, tok, {}, 512)
+    first, second = rows
+    n = sum(first["completion_mask"])
+    assert first["input_ids"][-n:] == [
+        5,
+        6,
+        7,
+        tok.eos_token_id,
+    ]  # ids as the teacher made them, + end of turn
+    assert second["input_ids"][-3:] == tok("abc", add_special_tokens=False)["input_ids"]
+    assert tok.eos_token_id not in second["input_ids"][-3:]  # cut at max_tokens: no end-of-turn
+    assert first["completion_mask"][: len(first["input_ids"]) - n] == [0] * (
+        len(first["input_ids"]) - n
+    )
+
+
+def test_lora_moves_adapter_not_base_then_merge_equals_base_plus_adapter(distilled, tmp_path):
+    art = fresh_copy(distilled, tmp_path)
+    r = run_cli("train", "--config", "configs/ci.yaml", "--artifacts", str(art), *TRAIN)
+    assert r.returncode == 0, r.stderr
+    metrics = json.loads((art / "adapter" / "metrics.json").read_text())
+    assert metrics["method"] == "lora" and metrics["global_steps"] == 8
+    log = [json.loads(x) for x in (art / "adapter" / "train_log.jsonl").read_text().splitlines()]
+    assert len(log) == 8 and all("loss" in h for h in log)
+    base_file = metrics["base_draft"] + "/model.safetensors"
+    base = load_file(base_file)
+    adapter = load_file(str(art / "adapter" / "model" / "adapter_model.safetensors"))
+    lora_b = [v for k, v in adapter.items() if "lora_B" in k]
+    assert lora_b and any(v.abs().max() > 0 for v in lora_b)  # B starts at zero: it moved
+    # The base draft on disk is untouched (training never writes it).
+    assert all(torch.equal(v, load_file(base_file)[k]) for k, v in base.items())
+
+    r = run_cli("merge", "--config", "configs/ci.yaml", "--artifacts", str(art))
+    assert r.returncode == 0, r.stderr
+    merged = load_file(str(art / "merged" / "model.safetensors"))
+    # W_merged = W_base + (alpha / r) * B @ A, for every adapted layer.
+    cfg = json.loads((art / "adapter" / "model" / "adapter_config.json").read_text())
+    scale = cfg["lora_alpha"] / cfg["r"]
+    checked = 0
+    for key, a in adapter.items():
+        if "lora_A" not in key:
+            continue
+        b = adapter[key.replace("lora_A", "lora_B")]
+        name = key.split("base_model.model.")[1].replace(".lora_A.weight", ".weight")
+        expected = base[name] + scale * b @ a
+        assert torch.allclose(merged[name], expected, atol=1e-5), name
+        assert not torch.equal(merged[name], base[name])
+        checked += 1
+    assert checked > 0
+    assert not (art / "merged" / "adapter_config.json").exists()
+    card = (art / "merged" / "README.md").read_text()
+    assert card.startswith("---") and "lora" in card and "sha256" in card
+    # Published to the local registry as an immutable version.
+    latest = json.loads((art / "registry" / "phoenix-draft" / "latest.json").read_text())
+    version = art / "registry" / "phoenix-draft" / latest["version"]
+    assert (version / "model.safetensors").read_bytes() == (
+        art / "merged" / "model.safetensors"
+    ).read_bytes()
+    # The merged directory loads with plain transformers (no PEFT).
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(str(art / "merged"))
+    # Merging again with the same content registers nothing new.
+    r = run_cli("merge", "--config", "configs/ci.yaml", "--artifacts", str(art))
+    assert r.returncode == 0 and "already registered" in r.stderr
+    assert len(list((art / "registry" / "phoenix-draft").glob("v*"))) == 1
+
+
+def test_finished_training_is_not_repeated_unless_forced(distilled, tmp_path):
+    art = fresh_copy(distilled, tmp_path)
+    assert (
+        run_cli("train", "--config", "configs/ci.yaml", "--artifacts", str(art), *TRAIN).returncode
+        == 0
+    )
+    r = run_cli("train", "--config", "configs/ci.yaml", "--artifacts", str(art), *TRAIN)
+    assert r.returncode == 0 and "already finished" in r.stderr
+    r = run_cli("train", "--config", "configs/ci.yaml", "--artifacts", str(art), *TRAIN, "--force")
+    assert r.returncode == 0 and "starting over" in r.stderr
+
+
+def test_resume_after_interruption_continues_from_checkpoint(distilled, tmp_path):
+    art = fresh_copy(distilled, tmp_path)
+    ref = fresh_copy(distilled, tmp_path / "ref")
+    assert (
+        run_cli("train", "--config", "configs/ci.yaml", "--artifacts", str(ref), *TRAIN).returncode
+        == 0
+    )
+    assert (
+        run_cli("train", "--config", "configs/ci.yaml", "--artifacts", str(art), *TRAIN).returncode
+        == 0
+    )
+    # Leave the workspace as a crash after step 6 would: checkpoints up to 6, no final outputs.
+    adapter = art / "adapter"
+    shutil.rmtree(adapter / "checkpoints" / "checkpoint-8")
+    shutil.rmtree(adapter / "model")
+    (adapter / "metrics.json").unlink()
+    r = run_cli("train", "--config", "configs/ci.yaml", "--artifacts", str(art), *TRAIN)
+    assert r.returncode == 0, r.stderr
+    assert "resuming from" in r.stderr and "checkpoint-6" in r.stderr
+    metrics = json.loads((adapter / "metrics.json").read_text())
+    assert metrics["global_steps"] == 8 and metrics["resumed_from"].endswith("checkpoint-6")
+    a = load_file(str(adapter / "model" / "adapter_model.safetensors"))
+    b = load_file(str(ref / "adapter" / "model" / "adapter_model.safetensors"))
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)  # same result as never stopping
+
+
+def test_full_finetune_then_merge_verifies_and_publishes(distilled, tmp_path):
+    art = fresh_copy(distilled, tmp_path)
+    r = run_cli(
+        "train",
+        "--config",
+        "configs/ci.yaml",
+        "--artifacts",
+        str(art),
+        *TRAIN,
+        "--set",
+        "train.method=full",
+        "--set",
+        "train.learning_rate=0.001",
+    )
+    assert r.returncode == 0, r.stderr
+    metrics = json.loads((art / "adapter" / "metrics.json").read_text())
+    assert metrics["trainable_parameters"] == metrics["total_parameters"]
+    base = load_file(metrics["base_draft"] + "/model.safetensors")
+    trained = load_file(str(art / "adapter" / "model" / "model.safetensors"))
+    assert any(not torch.equal(trained[k], base[k]) for k in base if k in trained)
+    r = run_cli("merge", "--config", "configs/ci.yaml", "--artifacts", str(art))
+    assert r.returncode == 0, r.stderr
+    merged = load_file(str(art / "merged" / "model.safetensors"))
+    assert all(torch.equal(merged[k], trained[k]) for k in trained)
+
+
+def test_failed_verification_publishes_nothing(distilled, tmp_path):
+    art = fresh_copy(distilled, tmp_path)
+    assert (
+        run_cli("train", "--config", "configs/ci.yaml", "--artifacts", str(art), *TRAIN).returncode
+        == 0
+    )
+    r = run_cli(
+        "merge", "--config", "configs/ci.yaml", "--artifacts", str(art), "--set", "merge.atol=1e-12"
+    )
+    assert r.returncode == 4 and "differs" in r.stderr
+    assert not (art / "merged").exists() and not (art / "registry").exists()
+    assert not list(art.glob(".merged.*"))
+
+
+def test_merge_without_training_is_a_clear_error(tmp_path):
+    r = run_cli("merge", "--config", "configs/ci.yaml", "--artifacts", str(tmp_path))
+    assert r.returncode == 2 and "run the train stage first" in r.stderr
+
+
+def test_dry_run_pushes_nothing(distilled, tmp_path):
+    art = fresh_copy(distilled, tmp_path)
+    assert (
+        run_cli("train", "--config", "configs/ci.yaml", "--artifacts", str(art), *TRAIN).returncode
+        == 0
+    )
+    r = run_cli(
+        "merge",
+        "--config",
+        "configs/ci.yaml",
+        "--artifacts",
+        str(art),
+        "--set",
+        "publish.dry_run=true",
+    )
+    assert r.returncode == 0 and "would push" in r.stderr and "model.safetensors" in r.stderr
+    assert not (art / "registry").exists()
+
+
+def test_hub_push_to_a_local_hub_server(distilled, tmp_path):
+    art = fresh_copy(distilled, tmp_path)
+    assert (
+        run_cli("train", "--config", "configs/ci.yaml", "--artifacts", str(art), *TRAIN).returncode
+        == 0
+    )
+    cfg = yaml.safe_load(open("configs/ci.yaml"))
+    cfg["publish"] = {"target": "hub", "repo_id": "phoenix/tiny-draft", "retries": 2}
+    cfg_file = tmp_path / "hub.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg))
+    with FakeHub(token="hf_secret_value", fail_commits=1) as hub:
+        env = {
+            "HF_ENDPOINT": hub.url,
+            "HF_TOKEN": "hf_secret_value",
+            "HF_HUB_DISABLE_XET": "1",
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+        }
+        r = run_cli("merge", "--config", str(cfg_file), "--artifacts", str(art), env=env)
+        assert r.returncode == 0, r.stderr
+        repo = hub.repos["phoenix/tiny-draft"]
+        assert repo["private"] is True and len(repo["commits"]) == 1  # the 500 was retried
+        assert "Phoenix draft, run" in repo["commits"][0]["summary"]
+        local = {p.name: p.read_bytes() for p in (art / "merged").iterdir()}
+        assert repo["files"] == local  # the complete model, byte for byte
+        assert hub.card_metadata["tags"][0] == "phoenix"
+        assert "hf_secret_value" not in r.stderr + r.stdout
+        assert "hf_secret_value" not in (art / "merge.json").read_text()
+        # A wrong token fails clearly, without retry storms, and without printing the token.
+        r = run_cli(
+            "merge",
+            "--config",
+            str(cfg_file),
+            "--artifacts",
+            str(art),
+            env={**env, "HF_TOKEN": "hf_wrong"},
+        )
+        assert r.returncode != 0 and "refused the token" in r.stderr and "hf_wrong" not in r.stderr
+    r = run_cli("merge", "--config", str(cfg_file), "--artifacts", str(art), env={"HF_TOKEN": ""})
+    assert r.returncode == 2 and "HF_TOKEN" in r.stderr
+
+
+@pytest.mark.slow
+def test_distributed_training_with_two_cpu_processes(distilled, tmp_path):
+    """The DDP code path (gloo), as `accelerate launch` drives it on GPUs, with torchrun on 2 CPUs."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    art = fresh_copy(distilled, tmp_path)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "pipeline",
+            "train",
+            "--config",
+            "configs/ci.yaml",
+            "--artifacts",
+            str(art),
+            *TRAIN,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    metrics = json.loads((art / "adapter" / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["global_steps"] == 8
+    assert (art / "adapter" / "model" / "adapter_model.safetensors").is_file()
