@@ -13,6 +13,7 @@ import sys
 
 from . import errors
 from .config import Config, dump_config, load_config
+from .telemetry import NullTelemetry, setup_telemetry
 from .workspace import Workspace, atomic_write_text
 
 log = logging.getLogger("pipeline")
@@ -45,39 +46,45 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_stage(stage: str, cfg: Config, ws: Workspace, args: argparse.Namespace) -> None:
-    """Log the resolved config, run the stage, then store the config beside its outputs (only
-    on success, so a failed run never relabels the outputs of an earlier good one)."""
+DEMO_STAGES = ("split", "distill", "train", "merge")
+
+
+def run_stage(stage: str, cfg: Config, ws: Workspace, args: argparse.Namespace, telemetry) -> None:
+    """Log the resolved config, run the stage in its own telemetry transaction, then store the
+    config beside its outputs (only on success, so a failed run never relabels the outputs of
+    an earlier good one)."""
+    if stage == "demo":
+        for s in DEMO_STAGES:
+            log.info("=== demo: %s ===", s)
+            run_stage(s, cfg, ws, args, telemetry)
+        return
     text = dump_config(cfg)
-    if stage != "demo":
-        log.info("%s: resolved config:\n%s", stage, text.rstrip())
-    if stage == "split":
-        from . import split
-
-        split.run(cfg, ws)
-        atomic_write_text(ws.data / "config.yaml", text)
-    elif stage == "distill":
-        from . import teacher
-
-        teacher.run(cfg, ws)
-        atomic_write_text(ws.teacher / "config.yaml", text)
-    elif stage == "train":
-        from . import train
-
-        train.run(cfg, ws, force=args.force)
-        atomic_write_text(ws.adapter / "config.yaml", text)
-    elif stage == "merge":
-        from . import merge
-
-        merge.run(cfg, ws)
-    elif stage == "serve":
+    log.info("%s: resolved config:\n%s", stage, text.rstrip())
+    if stage == "serve":
         from . import server
 
         server.serve(cfg, ws, args.host, args.port, args.mode)
-    elif stage == "demo":
-        for s in ("split", "distill", "train", "merge"):
-            log.info("=== demo: %s ===", s)
-            run_stage(s, cfg, ws, args)
+        return
+    with telemetry.stage(stage) as figures:
+        if stage == "split":
+            from . import split
+
+            figures.update(split.run(cfg, ws))
+            atomic_write_text(ws.data / "config.yaml", text)
+        elif stage == "distill":
+            from . import teacher
+
+            figures.update(teacher.run(cfg, ws))
+            atomic_write_text(ws.teacher / "config.yaml", text)
+        elif stage == "train":
+            from . import train
+
+            figures.update(train.run(cfg, ws, force=args.force))
+            atomic_write_text(ws.adapter / "config.yaml", text)
+        elif stage == "merge":
+            from . import merge
+
+            figures.update(merge.run(cfg, ws))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,7 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         ws = Workspace(args.artifacts)
-        run_stage(args.stage, cfg, ws, args)
+        telemetry = (
+            NullTelemetry()
+            if args.stage == "serve"
+            else setup_telemetry(cfg, f"stage:{args.stage}")
+        )
+        try:
+            run_stage(args.stage, cfg, ws, args, telemetry)
+        finally:
+            telemetry.flush()
         return errors.EXIT_OK
     except errors.PhoenixError as exc:
         log.error("%s", exc)

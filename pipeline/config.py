@@ -142,6 +142,17 @@ class PublishConfig(Section):
     retries: int = Field(3, ge=0)
 
 
+class ObservabilityConfig(Section):
+    enabled: bool = Field(True, description="Use Sentry when the DSN environment variable is set.")
+    required: bool = Field(False, description="Refuse to start without a valid DSN.")
+    dsn_env: str = Field("SENTRY_DSN", description="Env var holding the DSN (a secret).")
+    environment: str = "development"
+    release: str | None = Field(None, description="Default: phoenix@<package version>.")
+    traces_sample_rate: float = Field(1.0, ge=0, le=1)
+    profile_session_sample_rate: float = Field(1.0, ge=0, le=1, description="Continuous profiling.")
+    shutdown_timeout_s: float = Field(2.0, ge=0, description="Longest wait to flush on exit.")
+
+
 class Config(Section):
     models: ModelsConfig = Field(default_factory=ModelsConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -153,6 +164,7 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     merge: MergeConfig = Field(default_factory=MergeConfig)
     publish: PublishConfig = Field(default_factory=PublishConfig)
+    observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
 
     def resolved(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -1,17 +1,31 @@
-"""Telemetry behind one interface; the do-nothing twin is used when observability is off.
+"""Telemetry behind one interface: Sentry, or a do-nothing twin with the same methods.
 
-The core never branches on "is Sentry on": callers hold a telemetry object and call it.
+The core never branches on "is Sentry on": callers hold a telemetry object and call it. The
+DSN is a secret: it comes from the environment and only its host and project id are logged.
+
+Per request: one transaction named by mode (`target`, `fixed_K`, `bandit`) with tags `mode`,
+`arm`, `draft_model`, data (latency, tokens, acceptance), a `generate` span whose children split
+the draft's candidate generation from the target's verification, a structured log line, and a
+log line per bandit decision. Per stage: a transaction `stage.<name>` with its key figures;
+exceptions are captured with the stage name. Continuous profiling runs in the trace lifecycle.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from typing import Any
+
+from .errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 class NullTelemetry:
-    """Same methods as the Sentry telemetry; records nothing."""
+    """Same methods as SentryTelemetry; records nothing."""
 
     enabled = False
 
@@ -28,5 +42,162 @@ class NullTelemetry:
         pass
 
 
+class SentryTelemetry(NullTelemetry):
+    enabled = True
+
+    def __init__(self, sentry_sdk, shutdown_timeout_s: float):
+        self.sdk = sentry_sdk
+        self.shutdown_timeout_s = shutdown_timeout_s
+
+    def request(self, core, prompt_ids, max_tokens, mode, stop=None, on_text=None, cancel=None):
+        sdk = self.sdk
+        with sdk.start_transaction(op="phoenix.request", name=mode.name) as tx:
+            tx.set_tag("mode", mode.name)
+            tx.set_tag("draft_model", core.draft_id or "none")
+            started = datetime.now(timezone.utc)
+            with tx.start_child(op="phoenix.generate", name="speculative generation") as gen:
+                res = core.generate(
+                    prompt_ids, max_tokens, mode, stop=stop, on_text=on_text, cancel=cancel
+                )
+                r = res.result
+                # The engine interleaves draft and verify work per round; it returns the totals,
+                # laid out here as two back-to-back child spans so a trace shows the split.
+                t0 = started
+                for op, name, secs in (
+                    ("phoenix.draft", "draft candidate generation", r.draft_s),
+                    ("phoenix.verify", "target verification", r.verify_s),
+                ):
+                    if secs > 0:
+                        span = gen.start_child(op=op, name=name, start_timestamp=t0)
+                        t0 = t0 + timedelta(seconds=secs)
+                        span.set_data("seconds", secs)
+                        span.finish(end_timestamp=t0)
+            tx.set_tag("arm", str(r.arm))
+            data = {
+                "latency_seconds": r.latency_s,
+                "output_tokens": r.output_tokens,
+                "prompt_tokens": r.prompt_tokens,
+                "tokens_per_second": r.tokens_per_second,
+                "draft_accepted": r.accepted,
+                "draft_proposed": r.proposed,
+                "acceptance": r.acceptance,
+                "draft_seconds": r.draft_s,
+                "verify_seconds": r.verify_s,
+                "finish_reason": res.finish_reason,
+            }
+            for key, value in data.items():
+                tx.set_data(key, value)
+            sdk.logger.info(
+                "request mode={mode} arm={arm} latency={latency:.3f}s tokens/s={tps:.2f} accepted={accepted}/{proposed}",
+                mode=mode.name,
+                arm=r.arm,
+                latency=r.latency_s,
+                tps=r.tokens_per_second,
+                accepted=r.accepted,
+                proposed=r.proposed,
+            )
+            if res.decision is not None:
+                d = res.decision
+                sdk.logger.info(
+                    "bandit decision arm={arm} explored={explored} epsilon={epsilon:.4f}",
+                    arm=d.arm,
+                    explored=d.explored,
+                    epsilon=d.epsilon,
+                    attributes={
+                        "warmup": d.warmup,
+                        "means": str({a: round(m, 3) for a, m in d.means.items()}),
+                    },
+                )
+        return res
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[dict[str, Any]]:
+        figures: dict[str, Any] = {}
+        with self.sdk.start_transaction(op="phoenix.stage", name=f"stage.{name}") as tx:
+            tx.set_tag("stage", name)
+            try:
+                yield figures
+            except BaseException as exc:
+                with self.sdk.new_scope() as scope:
+                    scope.set_tag("stage", name)
+                    self.sdk.capture_exception(exc)
+                tx.set_status("internal_error")
+                raise
+            finally:
+                for key, value in figures.items():
+                    if isinstance(value, (int, float, str, bool)) or value is None:
+                        tx.set_data(key, value)
+
+    def flush(self) -> None:
+        self.sdk.flush(timeout=self.shutdown_timeout_s)
+
+
+def describe_dsn(dsn: str) -> tuple[str, str]:
+    """(host, project id) of a DSN, validated; raises ValueError naming what is wrong."""
+    from sentry_sdk.utils import BadDsn, Dsn
+
+    try:
+        parsed = Dsn(dsn)
+    except BadDsn as exc:
+        raise ValueError(str(exc)) from None
+    if not parsed.project_id:
+        raise ValueError("missing project id")
+    return f"{parsed.host}:{parsed.port}", parsed.project_id
+
+
 def setup_telemetry(cfg, component: str) -> NullTelemetry:
-    return NullTelemetry()
+    """Sentry when configured and a DSN is set; the do-nothing twin otherwise."""
+    o = cfg.observability
+    if not o.enabled:
+        if o.required:
+            raise ConfigError("observability.required is true but observability.enabled is false")
+        return NullTelemetry()
+    dsn = os.environ.get(o.dsn_env, "").strip()
+    if not dsn:
+        if o.required:
+            raise ConfigError(
+                f"observability.required is true but the environment variable {o.dsn_env} "
+                "is not set: export the project's Sentry DSN"
+            )
+        log.info("Sentry off (%s not set)", o.dsn_env)
+        return NullTelemetry()
+    try:
+        host, project = describe_dsn(dsn)
+    except ValueError as exc:
+        msg = f"{o.dsn_env} is not a valid Sentry DSN ({exc})"
+        if o.required:
+            raise ConfigError(msg) from None
+        log.warning("%s; Sentry off", msg)
+        return NullTelemetry()
+    import sentry_sdk
+    from sentry_sdk.integrations.fastapi import FastApiIntegration
+    from sentry_sdk.integrations.logging import LoggingIntegration
+    from sentry_sdk.integrations.starlette import StarletteIntegration
+
+    from . import __version__
+
+    sentry_sdk.init(
+        dsn=dsn,
+        environment=o.environment,
+        release=o.release or f"phoenix@{__version__}",
+        traces_sample_rate=o.traces_sample_rate,
+        profile_session_sample_rate=o.profile_session_sample_rate,
+        profile_lifecycle="trace",
+        enable_logs=True,
+        send_default_pii=False,
+        shutdown_timeout=o.shutdown_timeout_s,
+        server_name=component,
+        # Phoenix opens its own transaction per request, named by mode; the automatic per-route
+        # ones would only duplicate it (and count every /health poll).
+        disabled_integrations=[StarletteIntegration(), FastApiIntegration()],
+        # Python log records go to Sentry logs from WARNING up; per-request logs are explicit.
+        integrations=[LoggingIntegration(sentry_logs_level=logging.WARNING)],
+    )
+    log.info(
+        "Sentry on: host %s, project %s, environment %s (%s)",
+        host,
+        project,
+        o.environment,
+        component,
+    )
+    return SentryTelemetry(sentry_sdk, o.shutdown_timeout_s)

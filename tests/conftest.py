@@ -87,3 +87,49 @@ def run_cli(
         text=True,
         timeout=timeout,
     )
+
+
+def start_serve(
+    art,
+    env: dict | None = None,
+    mode: str = "bandit",
+    config: str = "configs/ci.yaml",
+    timeout: float = 120,
+):
+    """`python -m pipeline serve` on a free port; returns (process, base URL) once healthy."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "serve",
+            "--config",
+            config,
+            "--artifacts",
+            str(art),
+            "--port",
+            str(port),
+            "--mode",
+            mode,
+        ],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"server exited with {proc.returncode}: {proc.stderr.read()[-3000:]}"
+            )
+        try:
+            wait_http(url + "/health", timeout=1)
+            return proc, url
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise

@@ -7,7 +7,7 @@ import pytest
 import requests
 
 from pipeline.server import create_app
-from tests.conftest import ROOT, free_port, wait_http
+from tests.conftest import start_serve, wait_http
 from tests.servers import ServerThread, tiny_core
 
 CHAT = "/v1/chat/completions"
@@ -286,31 +286,7 @@ def test_restart_keeps_bandit_state(tmp_path):
     state = art / "state" / "bandit.json"
 
     def start():
-        import subprocess
-        import sys
-
-        port = free_port()
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pipeline",
-                "serve",
-                "--config",
-                "configs/ci.yaml",
-                "--artifacts",
-                str(art),
-                "--port",
-                str(port),
-                "--mode",
-                "bandit",
-            ],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        wait_http(f"http://127.0.0.1:{port}/health", timeout=120)
-        return proc, f"http://127.0.0.1:{port}"
+        return start_serve(art)
 
     proc, url = start()
     model = requests.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
