@@ -18,7 +18,7 @@ from .workspace import Workspace, atomic_write_text
 
 log = logging.getLogger("pipeline")
 
-STAGES = ["split", "distill", "train", "merge", "serve", "demo"]
+STAGES = ["split", "distill", "train", "merge", "bench", "serve", "demo"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,11 +42,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="serve: port (default from config)")
     p.add_argument("--mode", help="serve: target | fixed:K | bandit (default from config)")
     p.add_argument("--force", action="store_true", help="train: train again even if finished")
+    p.add_argument(
+        "--draft",
+        choices=["base", "distilled", "both"],
+        default="both",
+        help="bench: which drafts to measure (default: bench.drafts from config)",
+    )
+    p.add_argument("--load", action="store_true", help="bench: drive a running server over HTTP")
+    p.add_argument("--url", help="bench --load: server base URL (default from server config)")
+    p.add_argument("--clients", type=int, default=4, help="bench --load: concurrent clients")
+    p.add_argument("--requests", type=int, default=40, help="bench --load: total requests")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
 
-DEMO_STAGES = ("split", "distill", "train", "merge")
+DEMO_STAGES = ("split", "distill", "train", "merge", "bench")
 
 
 def run_stage(stage: str, cfg: Config, ws: Workspace, args: argparse.Namespace, telemetry) -> None:
@@ -85,6 +95,15 @@ def run_stage(stage: str, cfg: Config, ws: Workspace, args: argparse.Namespace, 
             from . import merge
 
             figures.update(merge.run(cfg, ws))
+        elif stage == "bench":
+            from . import bench
+
+            if args.load:
+                figures.update(bench.load_test(cfg, ws, args.url, args.clients, args.requests))
+            else:
+                drafts = None if args.draft == "both" else [args.draft]
+                figures.update(bench.run(cfg, ws, telemetry, drafts))
+                atomic_write_text(ws.bench / "config.yaml", text)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,7 +99,17 @@ class ServerConfig(Section):
 class BenchConfig(Section):
     max_new_tokens: int = Field(128, ge=1)
     prompts: int | None = Field(None, ge=1, description="Held-out prompts to use; null: all.")
-    fixed_arms: list[int] = Field(default_factory=lambda: [4])
+    fixed_arms: list[int] = Field(default_factory=lambda: [4], description="K of the fixed_K runs.")
+    drafts: list[Literal["base", "distilled"]] = Field(
+        default_factory=lambda: ["base", "distilled"]
+    )
+    bandit_state: Literal["fresh", "persist"] = Field(
+        "fresh",
+        description="fresh: each bandit run starts from nothing; persist: bench/bandit-<draft>.json",
+    )
+    warmup_requests: int = Field(
+        1, ge=0, description="Requests per run excluded from every figure."
+    )
 
 
 class TrainConfig(Section):

@@ -1,0 +1,322 @@
+"""Benchmark: did distillation make the draft better, and does speculation pay here?
+
+    python -m pipeline bench --config configs/default.yaml [--draft base|distilled|both]
+    python -m pipeline bench --load --clients 4 --requests 40 [--url http://127.0.0.1:8000]
+                                                                    (or: make bench)
+
+Runs inside the same serving core as the server, with the bandit and Sentry on. Protocol:
+held-out prompts in split order, greedy, batch size 1, `bench.max_new_tokens`, warm-up
+requests excluded. Modes: target (no draft), fixed_K for K in `bench.fixed_arms`, bandit (fresh
+state per run by default); drafts: base (before training) and distilled (<artifacts>/merged).
+Every speculative output must equal the target-only output, token for token (exit 4 if not).
+Writes <artifacts>/bench/results.json, report.md and PNG plots.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from . import models, report
+from .config import Config
+from .errors import InputError, VerificationError
+from .spec.bandit import EpsilonGreedy
+from .spec.core import ServingCore, eos_ids, parse_mode
+from .spec.engine import SpecEngine
+from .workspace import Workspace, atomic_write_json, atomic_write_text, read_jsonl
+
+log = logging.getLogger(__name__)
+
+
+def hardware() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torch
+
+    gpu = f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
+    return f"{cpu}, {os.cpu_count()} cores{gpu}"
+
+
+def environment(cfg: Config, device: str) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    from . import __version__
+
+    return {
+        "hardware": hardware(),
+        "device": device,
+        "dtype": str(models.pick_dtype(cfg.models.dtype, device)).replace("torch.", ""),
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "phoenix": __version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def prompt_ids(cfg: Config, tok, rows: list[dict]) -> list[list[int]]:
+    from .train import template_kwargs
+
+    out = []
+    for r in rows:
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": r["prompt"]}],
+            tokenize=False,
+            add_generation_prompt=True,
+            **template_kwargs(cfg),
+        )
+        out.append(tok(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def make_bandit(cfg: Config) -> EpsilonGreedy:
+    b = cfg.bandit
+    return EpsilonGreedy(
+        b.arms,
+        random.Random(b.seed),
+        b.warmup_pulls,
+        b.epsilon_start,
+        b.epsilon_floor,
+        b.epsilon_decay,
+    )
+
+
+def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) -> dict[str, Any]:
+    if not ws.test_file.exists():
+        raise InputError(f"{ws.test_file} is missing: run the split stage first (make split)")
+    drafts = drafts or list(cfg.bench.drafts)
+    if "distilled" in drafts and not (ws.merged / "config.json").is_file():
+        raise InputError(
+            f"no distilled draft at {ws.merged}: run train and merge first, or bench with --draft base"
+        )
+    rows = read_jsonl(ws.test_file)[: cfg.bench.prompts]
+    target_ref, base_ref = models.resolve_pair(cfg.models.target, cfg.models.draft, ws.models_cache)
+    refs = {"base": base_ref, "distilled": str(ws.merged)}
+    device = models.pick_device(cfg.models.device)
+    tok = models.load_tokenizer(target_ref)
+    target = models.load_model(target_ref, cfg.models.dtype, device)
+    eos = eos_ids(tok, target)
+    ids = prompt_ids(cfg, tok, rows)
+    n_warm = cfg.bench.warmup_requests
+    records: list[dict] = []
+    model_id = cfg.models.served_name or cfg.models.target
+
+    def measure(core: ServingCore, draft: str, mode_text: str) -> None:
+        mode = parse_mode(
+            mode_text,
+            core.bandit.arms
+            if mode_text == "bandit"
+            else sorted(set(cfg.bandit.arms) | set(cfg.bench.fixed_arms) | {0}),
+            core.has_draft,
+        )
+        warm_mode = parse_mode("target", [0], False)
+        for w in range(n_warm):  # warm-up: excluded from every figure, never feeds the bandit
+            telemetry.request(core, ids[w % len(ids)], min(16, cfg.bench.max_new_tokens), warm_mode)
+        for i, p in enumerate(
+            tqdm(ids, desc=f"bench {draft}/{mode.name}", unit="req", dynamic_ncols=True)
+        ):
+            res = telemetry.request(core, p, cfg.bench.max_new_tokens, mode)
+            r = res.result
+            records.append(
+                {
+                    "draft": draft,
+                    "mode": mode.name,
+                    "prompt_index": i,
+                    "task_id": rows[i]["task_id"],
+                    "arm": r.arm,
+                    "warmup": bool(res.decision and res.decision.warmup),
+                    "explored": bool(res.decision and res.decision.explored),
+                    "epsilon": res.decision.epsilon if res.decision else None,
+                    "latency_s": r.latency_s,
+                    "output_tokens": r.output_tokens,
+                    "tokens_per_second": r.tokens_per_second,
+                    "proposed": r.proposed,
+                    "accepted": r.accepted,
+                    "rounds": r.rounds,
+                    "proposed_per_position": r.proposed_per_position,
+                    "accepted_per_position": r.accepted_per_position,
+                    "draft_s": r.draft_s,
+                    "verify_s": r.verify_s,
+                    "finish_reason": res.finish_reason,
+                    "token_ids": r.token_ids,
+                }
+            )
+
+    target_core = ServingCore(
+        SpecEngine(target, None, eos), tok, make_bandit(cfg), model_id, None, "target"
+    )
+    measure(target_core, "none", "target")
+    reference = {r["prompt_index"]: r["token_ids"] for r in records if r["mode"] == "target"}
+    for draft in drafts:
+        draft_model = models.load_model(refs[draft], cfg.models.dtype, device)
+        state = ws.bench / f"bandit-{draft}.json" if cfg.bench.bandit_state == "persist" else None
+        core = ServingCore(
+            SpecEngine(target, draft_model, eos),
+            tok,
+            make_bandit(cfg),
+            model_id,
+            draft,
+            "bandit",
+            state_file=state,
+        )
+        for k in cfg.bench.fixed_arms:
+            if k > 0:
+                measure(core, draft, f"fixed:{k}")
+        measure(core, draft, "bandit")
+        del draft_model, core
+
+    mismatches = [
+        f"{r['draft']}/{r['mode']} prompt {r['prompt_index']} (task {r['task_id']}): output differs from target-only"
+        f" at token {_first_diff(r['token_ids'], reference[r['prompt_index']])}"
+        for r in records
+        if r["mode"] != "target" and r["token_ids"] != reference[r["prompt_index"]]
+    ]
+    result_rows = report.build_rows(records)
+    gains = {}
+    for mode in dict.fromkeys(r["mode"] for r in result_rows if r["draft"] == "distilled"):
+        b = next(
+            (
+                r["acceptance_rate"]
+                for r in result_rows
+                if r["draft"] == "base" and r["mode"] == mode
+            ),
+            None,
+        )
+        d = next(
+            (
+                r["acceptance_rate"]
+                for r in result_rows
+                if r["draft"] == "distilled" and r["mode"] == mode
+            ),
+            None,
+        )
+        if b is not None and d is not None:
+            gains[mode] = {"base": b, "distilled": d, "gain": d - b}
+    results = {
+        "lossless": not mismatches,
+        "mismatches": mismatches,
+        "environment": environment(cfg, device),
+        "protocol": {
+            "prompts": len(ids),
+            "max_new_tokens": cfg.bench.max_new_tokens,
+            "warmup_requests": n_warm,
+            "fixed_arms": cfg.bench.fixed_arms,
+            "bandit_arms": cfg.bandit.arms,
+            "bandit_state": cfg.bench.bandit_state,
+        },
+        "drafts": drafts,
+        "draft_models": {d: (cfg.models.draft if d == "base" else str(ws.merged)) for d in drafts},
+        "target_model": cfg.models.target,
+        "rows": result_rows,
+        "distillation_gain": gains,
+        "bandit": {d: report.bandit_summary(records, d) for d in drafts},
+        "position_acceptance": report.position_acceptance(records),
+        "requests": [{k: v for k, v in r.items() if k != "token_ids"} for r in records],
+    }
+    ws.bench.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(ws.bench / "results.json", results)
+    atomic_write_text(ws.bench / "report.md", report.markdown(results))
+    report.write_plots(results, records, ws.bench)
+    log.info("bench: report at %s\n%s", ws.bench / "report.md", report.markdown(results))
+    if mismatches:
+        raise VerificationError(
+            f"lossless check failed for {len(mismatches)} outputs: " + "; ".join(mismatches[:5])
+        )
+    return {"lossless": True, "rows": len(result_rows)}
+
+
+def _first_diff(a: list[int], b: list[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+# --- load test against a running server ---------------------------------------------------------
+def load_test(
+    cfg: Config, ws: Workspace, url: str | None, clients: int, requests_total: int
+) -> dict[str, Any]:
+    import requests
+
+    base = (url or f"http://{cfg.server.host}:{cfg.server.port}").rstrip("/")
+    if not ws.test_file.exists():
+        raise InputError(f"{ws.test_file} is missing: run the split stage first (make split)")
+    prompts = [r["prompt"] for r in read_jsonl(ws.test_file)]
+    headers = {}
+    key = os.environ.get(cfg.server.api_key_env)
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    try:
+        listed = requests.get(base + "/v1/models", headers=headers, timeout=10).json()["data"]
+    except Exception as exc:
+        raise InputError(
+            f"no Phoenix server answering at {base} ({type(exc).__name__}); start one with make serve"
+        ) from None
+    model = listed[0]["id"]
+
+    def one(i: int) -> dict:
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
+            "max_tokens": cfg.bench.max_new_tokens,
+        }
+        t0 = time.perf_counter()
+        try:
+            r = requests.post(
+                base + "/v1/chat/completions", json=body, headers=headers, timeout=600
+            )
+            out = {"status": r.status_code, "latency_s": time.perf_counter() - t0}
+            if r.status_code == 200:
+                out["tokens"] = r.json()["usage"]["completion_tokens"]
+            return out
+        except requests.RequestException as exc:
+            return {
+                "status": None,
+                "error": type(exc).__name__,
+                "latency_s": time.perf_counter() - t0,
+            }
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(
+            tqdm(
+                pool.map(one, range(requests_total)), total=requests_total, desc="load", unit="req"
+            )
+        )
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if r["status"] == 200]
+    lat = [r["latency_s"] for r in ok]
+    summary = {
+        "url": base,
+        "model": model,
+        "clients": clients,
+        "requests": requests_total,
+        "succeeded": len(ok),
+        "rate_limited_429": sum(r["status"] == 429 for r in results),
+        "errors": sum(r["status"] not in (200, 429) for r in results),
+        "wall_s": wall,
+        "requests_per_second": len(ok) / wall if wall > 0 else 0.0,
+        "tokens_per_second": sum(r.get("tokens", 0) for r in ok) / wall if wall > 0 else 0.0,
+        "p50_latency_s": report.percentile(lat, 50) if lat else None,
+        "p95_latency_s": report.percentile(lat, 95) if lat else None,
+    }
+    atomic_write_json(ws.bench / "load.json", summary)
+    log.info("load: %s", json.dumps(summary))
+    return summary

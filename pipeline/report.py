@@ -1,0 +1,298 @@
+"""Benchmark arithmetic, the Markdown report and the plots. Aggregation is pure (records in,
+rows out) and unit-tested with plain values; only `write_plots` touches files."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default), q in [0, 100]."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def aggregate(records: list[dict]) -> dict[str, Any]:
+    """One row from the per-request records of one (draft, mode) run."""
+    lat = [r["latency_s"] for r in records]
+    tokens = sum(r["output_tokens"] for r in records)
+    proposed = sum(r["proposed"] for r in records)
+    accepted = sum(r["accepted"] for r in records)
+    rounds = sum(r["rounds"] for r in records)
+    return {
+        "requests": len(records),
+        "output_tokens": tokens,
+        "mean_latency_s": sum(lat) / len(lat) if lat else math.nan,
+        "p50_latency_s": percentile(lat, 50),
+        "p95_latency_s": percentile(lat, 95),
+        # Aggregate throughput: all tokens over all time (long answers weigh more, as in serving).
+        "tokens_per_second": tokens / sum(lat) if lat and sum(lat) > 0 else 0.0,
+        "acceptance_rate": accepted / proposed if proposed else None,
+        # Draft tokens accepted per target verification pass (each pass also commits one token).
+        "mean_accepted_length": accepted / rounds if proposed and rounds else None,
+        "draft_s_per_request": sum(r["draft_s"] for r in records) / len(records)
+        if records
+        else 0.0,
+        "verify_s_per_request": sum(r["verify_s"] for r in records) / len(records)
+        if records
+        else 0.0,
+    }
+
+
+def build_rows(records: list[dict]) -> list[dict]:
+    """Rows for every (draft, mode) in first-seen order, with speedup against target-only."""
+    order: list[tuple[str, str]] = []
+    for r in records:
+        if (r["draft"], r["mode"]) not in order:
+            order.append((r["draft"], r["mode"]))
+    rows = []
+    for draft, mode in order:
+        recs = [r for r in records if r["draft"] == draft and r["mode"] == mode]
+        row = {"draft": draft, "mode": mode, **aggregate(recs), "arm_counts": None}
+        if mode == "bandit":
+            row["arm_counts"] = {
+                str(a): n for a, n in sorted(Counter(r["arm"] for r in recs).items())
+            }
+        rows.append(row)
+    base = next((r["tokens_per_second"] for r in rows if r["mode"] == "target"), None)
+    for row in rows:
+        row["speedup"] = row["tokens_per_second"] / base if base else None
+    return rows
+
+
+def position_acceptance(records: list[dict]) -> dict[str, list[float]]:
+    """Per draft: share of proposals accepted at each draft position (1-based in the report)."""
+    out = {}
+    for draft in dict.fromkeys(r["draft"] for r in records if r["proposed"]):
+        recs = [r for r in records if r["draft"] == draft]
+        width = max(len(r["proposed_per_position"]) for r in recs)
+        prop, acc = [0] * width, [0] * width
+        for r in recs:
+            for i, (p, a) in enumerate(
+                zip(r["proposed_per_position"], r["accepted_per_position"], strict=True)
+            ):
+                prop[i] += p
+                acc[i] += a
+        out[draft] = [a / p if p else 0.0 for a, p in zip(acc, prop, strict=True)]
+    return out
+
+
+def bandit_summary(records: list[dict], draft: str) -> dict[str, Any] | None:
+    """The bandit after its warm-up, against the best single arm on the same prompts."""
+    bandit = [r for r in records if r["draft"] == draft and r["mode"] == "bandit"]
+    if not bandit:
+        return None
+    post = [r for r in bandit if not r["warmup"]]
+    singles: dict[int, dict[int, dict]] = {}  # arm -> prompt index -> record
+    for r in records:
+        if r["mode"] == "target" or (r["draft"] == draft and r["mode"].startswith("fixed_")):
+            singles.setdefault(r["arm"], {})[r["prompt_index"]] = r
+    idx = [r["prompt_index"] for r in post]
+
+    def tps(recs):
+        t = sum(r["latency_s"] for r in recs)
+        return sum(r["output_tokens"] for r in recs) / t if t > 0 else 0.0
+
+    same = {
+        a: tps([by[i] for i in idx])
+        for a, by in singles.items()
+        if idx and all(i in by for i in idx)
+    }
+    best_arm = max(same, key=same.get) if same else None
+    post_tps = tps(post) if post else None
+    return {
+        "warmup_requests": len(bandit) - len(post),
+        "post_warmup_requests": len(post),
+        "warmup_arms": [r["arm"] for r in bandit if r["warmup"]],
+        "post_warmup_arm_counts": {
+            str(a): n for a, n in sorted(Counter(r["arm"] for r in post).items())
+        },
+        "post_warmup_tokens_per_second": post_tps,
+        "single_arm_tokens_per_second_same_prompts": {str(a): v for a, v in sorted(same.items())},
+        "best_single_arm": best_arm,
+        "ratio_to_best_arm": post_tps / same[best_arm]
+        if post_tps and best_arm is not None and same[best_arm]
+        else None,
+        "share_choosing_best_arm": (sum(r["arm"] == best_arm for r in post) / len(post))
+        if post and best_arm is not None
+        else None,
+        "arms_in_order": [r["arm"] for r in bandit],
+    }
+
+
+def _fmt(x, digits=2, pct=False):
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{100 * x:.1f}%" if pct else f"{x:.{digits}f}"
+
+
+def markdown(results: dict) -> str:
+    env = results["environment"]
+    lines = [
+        "# Phoenix benchmark",
+        "",
+        f"Hardware: {env['hardware']}; device {env['device']}, {env['dtype']}, {env['threads']} threads; "
+        f"torch {env['torch']}, transformers {env['transformers']}. Date: {env['date']}.",
+        f"Protocol: {results['protocol']['prompts']} held-out MBPP prompts, greedy, batch size 1, "
+        f"max_new_tokens {results['protocol']['max_new_tokens']}, {results['protocol']['warmup_requests']} "
+        "warm-up request(s) per run excluded. All numbers are from one run on this machine.",
+        "",
+        f"Lossless: **{'yes' if results['lossless'] else 'NO'}** (every speculative output "
+        f"{'equals' if results['lossless'] else 'must equal'} the target-only output token for token).",
+        "",
+    ]
+    target = next((r for r in results["rows"] if r["mode"] == "target"), None)
+    for draft in results["drafts"]:
+        rows = ([target] if target else []) + [r for r in results["rows"] if r["draft"] == draft]
+        lines += [
+            f"## Draft: {draft} (`{results['draft_models'][draft]}`)",
+            "",
+            "| mode | mean latency (s) | p50 (s) | p95 (s) | tokens/s | acceptance | speedup |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            lines.append(
+                f"| {r['mode']} | {_fmt(r['mean_latency_s'])} | {_fmt(r['p50_latency_s'])} | "
+                f"{_fmt(r['p95_latency_s'])} | {_fmt(r['tokens_per_second'])} | "
+                f"{_fmt(r['acceptance_rate'], pct=True)} | {_fmt(r['speedup'])}x |"
+            )
+        lines.append("")
+    gains = results.get("distillation_gain") or {}
+    if gains:
+        lines += [
+            "## Acceptance gain from distillation",
+            "",
+            "| mode | base | distilled | gain |",
+            "|---|---|---|---|",
+        ]
+        for mode, g in gains.items():
+            lines.append(
+                f"| {mode} | {_fmt(g['base'], pct=True)} | {_fmt(g['distilled'], pct=True)} | "
+                f"{_fmt(g['gain'], pct=True)} |"
+            )
+        lines.append("")
+    for draft, b in (results.get("bandit") or {}).items():
+        if not b:
+            continue
+        lines += [
+            f"## Bandit ({draft} draft)",
+            "",
+            f"- Warm-up ({b['warmup_requests']} requests, every arm in turn): arms {b['warmup_arms']}.",
+            f"- After warm-up ({b['post_warmup_requests']} requests): arm counts {b['post_warmup_arm_counts']}.",
+            f"- Post-warm-up tokens/s {_fmt(b['post_warmup_tokens_per_second'])} vs best single arm "
+            f"(arm {b['best_single_arm']}, same prompts) "
+            f"{_fmt(b['single_arm_tokens_per_second_same_prompts'].get(str(b['best_single_arm'])))}: "
+            f"ratio **{_fmt(b['ratio_to_best_arm'])}x**; {_fmt(b['share_choosing_best_arm'], pct=True)} of "
+            "post-warm-up requests chose the best arm.",
+            "",
+        ]
+    pos = results.get("position_acceptance") or {}
+    if pos:
+        lines += [
+            "## Acceptance by draft position",
+            "",
+            "| draft | "
+            + " | ".join(f"pos {i + 1}" for i in range(max(len(v) for v in pos.values())))
+            + " |",
+            "|---|" + "---|" * max(len(v) for v in pos.values()),
+        ]
+        for draft, v in pos.items():
+            lines.append(f"| {draft} | " + " | ".join(_fmt(x, pct=True) for x in v) + " |")
+        lines.append("")
+    if not results["lossless"]:
+        lines += ["## Mismatches", ""] + [f"- {m}" for m in results["mismatches"]] + [""]
+    lines += [
+        "Plots: `tokens_per_second.png`, `bandit_arms.png`, `acceptance_by_position.png`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_plots(results: dict, records: list[dict], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    rows = results["rows"]
+    target = next((r for r in rows if r["mode"] == "target"), None)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    modes = list(dict.fromkeys(r["mode"] for r in rows if r["mode"] != "target"))
+    width = 0.8 / max(1, len(results["drafts"]))
+    for j, draft in enumerate(results["drafts"]):
+        vals = [
+            next(
+                (r["tokens_per_second"] for r in rows if r["draft"] == draft and r["mode"] == m), 0
+            )
+            for m in modes
+        ]
+        ax.bar([i + j * width for i in range(len(modes))], vals, width, label=f"{draft} draft")
+    if target:
+        ax.axhline(target["tokens_per_second"], color="black", linestyle="--", label="target only")
+    ax.set_xticks([i + width * (len(results["drafts"]) - 1) / 2 for i in range(len(modes))], modes)
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("Throughput by mode and draft")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "tokens_per_second.png", dpi=110)
+    plt.close(fig)
+    written.append("tokens_per_second.png")
+
+    bandit = [
+        d
+        for d in results["drafts"]
+        if any(r["draft"] == d and r["mode"] == "bandit" for r in records)
+    ]
+    if bandit:
+        fig, axes = plt.subplots(
+            len(bandit), 1, figsize=(8, 2.6 * len(bandit)), sharex=True, squeeze=False
+        )
+        for ax, draft in zip(axes[:, 0], bandit, strict=True):
+            recs = [r for r in records if r["draft"] == draft and r["mode"] == "bandit"]
+            colors = [
+                "tab:grey" if r["warmup"] else ("tab:orange" if r["explored"] else "tab:blue")
+                for r in recs
+            ]
+            ax.step(
+                range(1, len(recs) + 1),
+                [r["arm"] for r in recs],
+                where="mid",
+                color="lightgrey",
+                zorder=1,
+            )
+            ax.scatter(range(1, len(recs) + 1), [r["arm"] for r in recs], c=colors, zorder=2, s=25)
+            ax.axvline(sum(r["warmup"] for r in recs) + 0.5, color="grey", linestyle=":")
+            ax.set_ylabel(f"{draft}: arm k")
+            ax.set_yticks(sorted({r["arm"] for r in recs} | {0}))
+        axes[0, 0].set_title(
+            "Bandit: arm per request (grey: warm-up, orange: explored, blue: exploited)"
+        )
+        axes[-1, 0].set_xlabel("request (dotted line: end of warm-up)")
+        fig.tight_layout()
+        fig.savefig(out / "bandit_arms.png", dpi=110)
+        plt.close(fig)
+        written.append("bandit_arms.png")
+
+    pos = results.get("position_acceptance") or {}
+    if pos:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for draft, v in pos.items():
+            ax.plot(range(1, len(v) + 1), v, marker="o", label=f"{draft} draft")
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("share accepted")
+        ax.set_ylim(0, 1)
+        ax.set_title("Acceptance by draft position")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "acceptance_by_position.png", dpi=110)
+        plt.close(fig)
+        written.append("acceptance_by_position.png")
+    return written

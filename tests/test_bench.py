@@ -1,0 +1,213 @@
+import json
+import shutil
+import signal
+
+import pytest
+
+from pipeline.report import aggregate, bandit_summary, build_rows, percentile, position_acceptance
+from tests.conftest import run_cli, start_serve
+
+
+def rec(draft, mode, i, arm, lat, toks, prop=0, acc=0, rounds=1, warmup=False, pos=None):
+    pos = pos or ([], [])
+    return {
+        "draft": draft,
+        "mode": mode,
+        "prompt_index": i,
+        "arm": arm,
+        "latency_s": lat,
+        "output_tokens": toks,
+        "proposed": prop,
+        "accepted": acc,
+        "rounds": rounds,
+        "warmup": warmup,
+        "draft_s": 0.0,
+        "verify_s": lat,
+        "proposed_per_position": pos[0],
+        "accepted_per_position": pos[1],
+    }
+
+
+def test_percentile_matches_linear_interpolation():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([5], 95) == 5
+    assert abs(percentile(list(range(1, 101)), 95) - 95.05) < 1e-9
+
+
+def test_rows_speedup_and_acceptance():
+    records = [
+        rec("none", "target", 0, 0, 1.0, 10),
+        rec("none", "target", 1, 0, 1.0, 10),
+        rec("base", "fixed_4", 0, 4, 0.5, 10, prop=8, acc=6, rounds=2),
+        rec("base", "fixed_4", 1, 4, 0.5, 10, prop=8, acc=2, rounds=2),
+    ]
+    rows = build_rows(records)
+    target, fixed = rows
+    assert (
+        target["acceptance_rate"] is None
+        and target["speedup"] == 1.0
+        and target["arm_counts"] is None
+    )
+    assert fixed["tokens_per_second"] == 20.0 and fixed["speedup"] == 2.0
+    assert fixed["acceptance_rate"] == 0.5 and fixed["mean_accepted_length"] == 2.0
+    assert aggregate(records[:2])["p95_latency_s"] == 1.0
+
+
+def test_position_acceptance_and_bandit_summary():
+    records = [rec("none", "target", i, 0, 1.0, 10) for i in range(4)]
+    records += [
+        rec("base", "fixed_2", i, 2, 0.5, 10, prop=6, acc=3, pos=([3, 3], [2, 1])) for i in range(4)
+    ]
+    records += [
+        rec("base", "bandit", 0, 0, 1.0, 10, warmup=True),
+        rec("base", "bandit", 1, 2, 0.5, 10, warmup=True),
+        rec("base", "bandit", 2, 2, 0.5, 10),
+        rec("base", "bandit", 3, 0, 1.0, 10),
+    ]
+    assert position_acceptance(records)["base"] == [2 / 3, 1 / 3]
+    s = bandit_summary(records, "base")
+    assert s["warmup_requests"] == 2 and s["post_warmup_requests"] == 2
+    assert s["best_single_arm"] == 2 and s["post_warmup_arm_counts"] == {"0": 1, "2": 1}
+    # Post-warm-up: 20 tokens in 1.5 s; best arm on the same prompts: 20 tokens in 1.0 s.
+    assert (
+        abs(s["ratio_to_best_arm"] - (20 / 1.5) / 20) < 1e-9 and s["share_choosing_best_arm"] == 0.5
+    )
+
+
+@pytest.fixture(scope="module")
+def merged_ws(tmp_path_factory):
+    from tests.conftest import MBPP
+
+    if not MBPP.is_file():
+        pytest.skip("MBPP not present")
+    art = tmp_path_factory.mktemp("bench")
+    for stage in ("split", "distill", "train", "merge"):
+        r = run_cli(stage, "--config", "configs/ci.yaml", "--artifacts", str(art))
+        assert r.returncode == 0, (stage, r.stderr[-2000:])
+    return art
+
+
+def test_bench_ci_end_to_end(merged_ws):
+    r = run_cli("bench", "--config", "configs/ci.yaml", "--artifacts", str(merged_ws))
+    assert r.returncode == 0, r.stderr[-3000:]
+    bench = merged_ws / "bench"
+    results = json.loads((bench / "results.json").read_text())
+    assert results["lossless"] is True and results["mismatches"] == []
+    assert {"device", "dtype", "threads", "torch", "transformers", "hardware"} <= set(
+        results["environment"]
+    )
+    modes = {(row["draft"], row["mode"]) for row in results["rows"]}
+    assert modes == {
+        ("none", "target"),
+        ("base", "fixed_4"),
+        ("base", "bandit"),
+        ("distilled", "fixed_4"),
+        ("distilled", "bandit"),
+    }
+    for row in results["rows"]:
+        assert row["requests"] == 16 and row["tokens_per_second"] > 0
+        assert {
+            "mean_latency_s",
+            "p50_latency_s",
+            "p95_latency_s",
+            "acceptance_rate",
+            "mean_accepted_length",
+            "speedup",
+            "arm_counts",
+        } <= set(row)
+        assert (row["acceptance_rate"] is None) == (row["mode"] == "target")
+        assert (row["arm_counts"] is not None) == (row["mode"] == "bandit")
+        if row["mode"] == "bandit":
+            assert sum(row["arm_counts"].values()) == 16
+    assert len(results["requests"]) == 5 * 16
+    assert set(results["position_acceptance"]) == {"base", "distilled"}
+    # The distilled draft was trained on this target's answers: it must agree with it more often.
+    gain = results["distillation_gain"]["fixed_4"]
+    assert gain["distilled"] > gain["base"]
+    report = (bench / "report.md").read_text()
+    assert "| fixed_4 |" in report and "one run" in report and "Lossless: **yes**" in report
+    for png in ("tokens_per_second.png", "bandit_arms.png", "acceptance_by_position.png"):
+        assert (bench / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_base_only_and_missing_distilled(merged_ws, tmp_path):
+    art = tmp_path / "art"
+    shutil.copytree(merged_ws, art, ignore=shutil.ignore_patterns("merged", "bench"))
+    r = run_cli("bench", "--config", "configs/ci.yaml", "--artifacts", str(art))
+    assert r.returncode == 2 and "--draft base" in r.stderr
+    r = run_cli(
+        "bench",
+        "--config",
+        "configs/ci.yaml",
+        "--artifacts",
+        str(art),
+        "--draft",
+        "base",
+        "--set",
+        "bench.prompts=3",
+        "--set",
+        "bench.fixed_arms=[2,8]",
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads((art / "bench" / "results.json").read_text())["rows"]
+    assert [(x["draft"], x["mode"]) for x in rows] == [
+        ("none", "target"),
+        ("base", "fixed_2"),
+        ("base", "fixed_8"),
+        ("base", "bandit"),
+    ]
+
+
+def test_lossless_violation_is_reported_and_fails(merged_ws, tmp_path, monkeypatch):
+    """Corrupt the speculative path on purpose: the bench must notice, list it and exit 4."""
+    from pipeline import bench
+    from pipeline.config import load_config
+    from pipeline.errors import VerificationError
+    from pipeline.spec.engine import SpecEngine
+    from pipeline.telemetry import NullTelemetry
+    from pipeline.workspace import Workspace
+
+    art = tmp_path / "art"
+    shutil.copytree(merged_ws, art, ignore=shutil.ignore_patterns("bench"))
+    real = SpecEngine.generate
+
+    def corrupt(self, prompt_ids, k, max_new_tokens, **kw):
+        res = real(self, prompt_ids, k, max_new_tokens, **kw)
+        if k > 0 and res.token_ids:
+            res.token_ids[-1] = (res.token_ids[-1] + 1) % 200
+        return res
+
+    monkeypatch.setattr(SpecEngine, "generate", corrupt)
+    cfg = load_config("configs/ci.yaml", ["bench.prompts=2", "bench.drafts=[base]"])
+    with pytest.raises(VerificationError, match="lossless check failed"):
+        bench.run(cfg, Workspace(art), NullTelemetry())
+    results = json.loads((art / "bench" / "results.json").read_text())
+    assert results["lossless"] is False and results["mismatches"]
+    assert "Lossless: **NO**" in (art / "bench" / "report.md").read_text()
+
+
+def test_load_mode_against_a_running_server(merged_ws, tmp_path):
+    proc, url = start_serve(merged_ws, mode="fixed:2")
+    try:
+        r = run_cli(
+            "bench",
+            "--config",
+            "configs/ci.yaml",
+            "--artifacts",
+            str(merged_ws),
+            "--load",
+            "--url",
+            url,
+            "--clients",
+            "3",
+            "--requests",
+            "9",
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    load = json.loads((merged_ws / "bench" / "load.json").read_text())
+    assert load["requests"] == 9 and load["errors"] == 0
+    assert load["succeeded"] + load["rate_limited_429"] == 9 and load["succeeded"] > 0
+    assert load["p95_latency_s"] >= load["p50_latency_s"] > 0
