@@ -18,7 +18,7 @@ from .workspace import Workspace, atomic_write_text
 
 log = logging.getLogger("pipeline")
 
-STAGES = ["split", "distill", "train", "merge", "bench", "serve", "demo"]
+STAGES = ["split", "distill", "train", "merge", "bench", "retrain", "serve", "demo"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("stage", choices=STAGES)
     p.add_argument("--config", default="configs/default.yaml", help="YAML config file")
     p.add_argument("--artifacts", default="artifacts", help="root of every output")
+    p.add_argument("--cache", help="converted-model cache (default: <artifacts>/cache)")
     p.add_argument(
         "--set",
         dest="overrides",
@@ -52,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", help="bench --load: server base URL (default from server config)")
     p.add_argument("--clients", type=int, default=4, help="bench --load: concurrent clients")
     p.add_argument("--requests", type=int, default=40, help="bench --load: total requests")
+    p.add_argument(
+        "--resume", metavar="RUN_ID", help="retrain: resume this run (default: latest unfinished)"
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
@@ -70,6 +74,11 @@ def run_stage(stage: str, cfg: Config, ws: Workspace, args: argparse.Namespace, 
         return
     text = dump_config(cfg)
     log.info("%s: resolved config:\n%s", stage, text.rstrip())
+    if stage == "retrain":
+        from . import retrain
+
+        retrain.run(cfg, ws.root, telemetry, resume=args.resume)
+        return
     if stage == "serve":
         from . import server
 
@@ -117,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         cfg = load_config(args.config, args.overrides)
-        ws = Workspace(args.artifacts)
+        ws = Workspace(args.artifacts, cache=args.cache)
         telemetry = (
             NullTelemetry()
             if args.stage == "serve"

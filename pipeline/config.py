@@ -91,7 +91,12 @@ class ServerConfig(Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     mode: str = Field("bandit", description="target | fixed:K | bandit")
-    queue_size: int = Field(8, ge=1, description="Requests waiting or running before 429.")
+    queue_size: int = Field(32, ge=1, description="Requests waiting or running before 429.")
+    max_batch: int = Field(
+        16,
+        ge=1,
+        description="Target-only requests generated together as one padded batch (1: never).",
+    )
     api_key_env: str = Field("PHOENIX_API_KEY", description="Env var; when set, bearer auth.")
     max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens accepted.")
 
@@ -163,6 +168,15 @@ class ObservabilityConfig(Section):
     shutdown_timeout_s: float = Field(2.0, ge=0, description="Longest wait to flush on exit.")
 
 
+class RetrainConfig(Section):
+    min_gain: float = Field(
+        0.01,
+        description="Promote only if held-out acceptance beats the promoted draft's (first run: "
+        "the base draft's) by at least this much (absolute, 0.01 = one point).",
+    )
+    gate_mode: str = Field("fixed_4", description="Bench mode whose acceptance the gate compares.")
+
+
 class Config(Section):
     models: ModelsConfig = Field(default_factory=ModelsConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -175,6 +189,7 @@ class Config(Section):
     merge: MergeConfig = Field(default_factory=MergeConfig)
     publish: PublishConfig = Field(default_factory=PublishConfig)
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
+    retrain: RetrainConfig = Field(default_factory=RetrainConfig)
 
     def resolved(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -161,8 +162,11 @@ def create_app(
     telemetry = telemetry or NullTelemetry()
     app = FastAPI(title="Phoenix speculative server")
     state: dict[str, Any] = {"core": None, "error": None}
+    app.state.phoenix = state  # the loaded core, for introspection (tests, embedding apps)
     gate_holder: dict[str, Gate] = {}
     api_key = os.environ.get(api_key_env) or None
+    # One thread per admitted request: waiting batch members each hold one.
+    pool = ThreadPoolExecutor(max_workers=queue_size + 1, thread_name_prefix="phoenix-gen")
 
     def _load() -> None:
         try:
@@ -316,18 +320,21 @@ def create_app(
                     headers={"Cache-Control": "no-cache"},
                 )
             watcher = asyncio.create_task(_watch_disconnect(request, cancel))
+
+            def work():
+                return telemetry.request(core, prompt_ids, max_tokens, mode, req.stop, None, cancel)
+
             try:
-                if not await _take_turn(gate, cancel):
-                    raise APIError(499, "client disconnected", "invalid_request_error")
-                try:
-                    res = await loop.run_in_executor(
-                        None,
-                        lambda: telemetry.request(
-                            core, prompt_ids, max_tokens, mode, req.stop, None, cancel
-                        ),
-                    )
-                finally:
-                    gate.turn.release()
+                if core.batcher is not None and mode.kind == "target" and not req.stop:
+                    # Batched with whatever else is waiting: no turn, the batcher serialises.
+                    res = await loop.run_in_executor(pool, work)
+                else:
+                    if not await _take_turn(gate, cancel):
+                        raise APIError(499, "client disconnected", "invalid_request_error")
+                    try:
+                        res = await loop.run_in_executor(pool, work)
+                    finally:
+                        gate.turn.release()
             finally:
                 watcher.cancel()
             return body(core, res, rid, created, kind, len(prompt_ids))
@@ -380,7 +387,7 @@ def create_app(
             if kind == "chat":
                 yield chunk(None, None, role=True)
             fut = loop.run_in_executor(
-                None,
+                pool,
                 lambda: telemetry.request(
                     core,
                     prompt_ids,

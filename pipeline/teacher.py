@@ -284,6 +284,8 @@ def local_teacher(cfg: Config, ws: Workspace) -> Iterator[str]:
         str(cfg_file),
         "--artifacts",
         str(ws.root),
+        "--cache",
+        str(ws.cache),
         "--host",
         "127.0.0.1",
         "--port",
@@ -360,6 +362,11 @@ def run(cfg: Config, ws: Workspace) -> dict[str, Any]:
     t_start = time.perf_counter()
     if todo:
         if cfg.teacher.url == "local":
+            # Enough requests in flight to fill the local teacher's batches.
+            concurrency = max(cfg.teacher.concurrency, cfg.server.max_batch)
+            cfg = cfg.model_copy(
+                update={"teacher": cfg.teacher.model_copy(update={"concurrency": concurrency})}
+            )
             with local_teacher(cfg, ws) as url:
                 _answer_all(cfg, ws, url, model, todo, stats)
         else:

@@ -104,3 +104,13 @@ def test_arm_without_draft_is_refused(tiny_models):
     tok, target, _ = tiny_models
     with pytest.raises(ValueError, match="needs a draft"):
         SpecEngine(target).generate([1, 2], 2, 5)
+
+
+def test_batched_target_generation_equals_one_at_a_time(engines):
+    tok, cut, _ = engines
+    prompts = [ids_for(tok, t) for t in PROMPTS + ["x", "Write a long story about a function."]]
+    limits = [30, 12, 30, 5, 25]
+    batch = cut.generate_batch(prompts, limits)
+    for p, n, b in zip(prompts, limits, batch, strict=True):
+        single = cut.generate(p, 0, n)
+        assert b.token_ids == single.token_ids and b.finish_reason == single.finish_reason

@@ -316,3 +316,28 @@ def test_restart_keeps_bandit_state(tmp_path):
     proc.terminate()
     proc.wait(30)
     assert list(state.parent.glob("bandit.json.corrupt-*"))
+
+
+def test_target_requests_are_batched_with_identical_output(tiny_models):
+    from pipeline.spec.core import ServingCore
+
+    def load():
+        c = tiny_core(tiny_models)
+        return ServingCore(
+            c.engine, c.tokenizer, c.bandit, "tiny", "cut:1", default_mode="target", max_batch=4
+        )
+
+    app = create_app(load, queue_size=8)
+    texts = [f"Write a function number {i}." for i in range(8)]
+    with ServerThread(app) as s:
+        wait_http(s.url + "/health")
+        one_by_one = [
+            post(s, CHAT, chat_body(t, max_tokens=20)).json()["choices"][0]["message"]["content"]
+            for t in texts
+        ]
+        with ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(lambda t: post(s, CHAT, chat_body(t, max_tokens=20)), texts))
+        assert all(r.status_code == 200 for r in together)
+        assert [r.json()["choices"][0]["message"]["content"] for r in together] == one_by_one
+    sizes = app.state.phoenix["core"].batcher.batch_sizes
+    assert max(sizes) > 1, sizes

@@ -33,6 +33,8 @@ def fresh_copy(distilled, tmp_path):
 
 TRAIN = [
     "--set",
+    "train.method=lora",
+    "--set",
     "train.max_steps=8",
     "--set",
     "train.save_steps=2",

@@ -109,6 +109,62 @@ class CoreResult:
     stopped_by_string: bool = False
 
 
+class TargetBatcher:
+    """Gathers concurrent target-only requests and generates them as one padded batch.
+
+    Callers block in `submit`; one worker thread takes the first waiting request, waits up to
+    `gather_s` for more (at most `max_batch`), then runs the batch under the core's lock (so it
+    never overlaps a speculative request)."""
+
+    def __init__(
+        self, engine: SpecEngine, lock: threading.Lock, max_batch: int, gather_s: float = 0.02
+    ):
+        import queue
+
+        self.engine = engine
+        self.lock = lock
+        self.max_batch = max_batch
+        self.gather_s = gather_s
+        self.queue: queue.Queue = queue.Queue()
+        self.batch_sizes: list[int] = []
+        threading.Thread(target=self._work, name="phoenix-batcher", daemon=True).start()
+
+    def submit(self, prompt_ids: list[int], max_tokens: int) -> GenerationResult:
+        done = threading.Event()
+        slot: dict = {"prompt": prompt_ids, "max": max_tokens, "done": done}
+        self.queue.put(slot)
+        done.wait()
+        if "error" in slot:
+            raise slot["error"]
+        return slot["result"]
+
+    def _work(self) -> None:
+        import queue
+        import time
+
+        while True:
+            batch = [self.queue.get()]
+            deadline = time.monotonic() + self.gather_s
+            while len(batch) < self.max_batch:
+                try:
+                    batch.append(self.queue.get(timeout=max(0.0, deadline - time.monotonic())))
+                except queue.Empty:
+                    break
+            try:
+                with self.lock:
+                    results = self.engine.generate_batch(
+                        [b["prompt"] for b in batch], [b["max"] for b in batch]
+                    )
+                self.batch_sizes.append(len(batch))
+                for b, r in zip(batch, results, strict=True):
+                    b["result"] = r
+            except Exception as exc:  # every waiting caller hears of it
+                for b in batch:
+                    b["error"] = exc
+            for b in batch:
+                b["done"].set()
+
+
 class ServingCore:
     """Target (+ optional draft) engine, tokenizer, bandit. `generate` is serialised."""
 
@@ -121,6 +177,7 @@ class ServingCore:
         draft_id: str | None,
         default_mode: str = "bandit",
         state_file: Path | None = None,
+        max_batch: int = 1,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
@@ -131,6 +188,7 @@ class ServingCore:
         self.default_mode = parse_mode(default_mode, bandit.arms, self.has_draft)
         self.state_file = state_file
         self.lock = threading.Lock()
+        self.batcher = TargetBatcher(engine, self.lock, max_batch) if max_batch > 1 else None
         if state_file is not None:
             outcome = load_bandit(bandit, state_file)
             log.info("bandit state %s: %s", state_file, outcome)
@@ -176,8 +234,11 @@ class ServingCore:
                 on_text(delta)
             return tracker.stopped or (cancel is not None and cancel.is_set())
 
-        with self.lock:
-            result = self.engine.generate(prompt_ids, k, max_tokens, should_stop=should_stop)
+        if self.batcher is not None and k == 0 and not tracker.stops and on_text is None:
+            result = self.batcher.submit(prompt_ids, max_tokens)
+        else:
+            with self.lock:
+                result = self.engine.generate(prompt_ids, k, max_tokens, should_stop=should_stop)
         if not tracker.stopped:
             tracker.update(result.token_ids)
         tail = tracker.rest()
@@ -205,7 +266,9 @@ def build_core(cfg, ws, mode: str | None = None, load_draft: bool | None = None)
     tok = models.load_tokenizer(target_ref)
     target = models.load_model(target_ref, cfg.models.dtype, cfg.models.device)
     draft = models.load_model(draft_ref, cfg.models.dtype, cfg.models.device) if draft_ref else None
-    engine = SpecEngine(target, draft, eos_token_ids=eos_ids(tok, target))
+    engine = SpecEngine(
+        target, draft, eos_token_ids=eos_ids(tok, target), pad_token_id=tok.pad_token_id
+    )
     b = cfg.bandit
     bandit = EpsilonGreedy(
         b.arms,
@@ -223,6 +286,7 @@ def build_core(cfg, ws, mode: str | None = None, load_draft: bool | None = None)
         draft_id=cfg.models.draft if draft_ref else None,
         default_mode=mode,
         state_file=ws.state / "bandit.json",
+        max_batch=cfg.server.max_batch,
     )
 
 

@@ -70,10 +70,15 @@ def _crop_to(cache: DynamicCache, length: int) -> None:
 class SpecEngine:
     """A target and an optional same-tokenizer draft, both on one device, greedy decoding."""
 
-    def __init__(self, target, draft=None, eos_token_ids: Sequence[int] = ()):
+    def __init__(
+        self, target, draft=None, eos_token_ids: Sequence[int] = (), pad_token_id: int | None = None
+    ):
         self.target = target
         self.draft = draft
         self.eos_token_ids = set(eos_token_ids)
+        self.pad_token_id = (
+            pad_token_id if pad_token_id is not None else min(self.eos_token_ids, default=0)
+        )
         self.device = next(target.parameters()).device
         if draft is not None and draft.config.vocab_size != target.config.vocab_size:
             raise ValueError(
@@ -189,3 +194,78 @@ class SpecEngine:
             proposed_per_position=proposed_pos,
             accepted_per_position=accepted_pos,
         )
+
+    @torch.inference_mode()
+    def generate_batch(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]
+    ) -> list[GenerationResult]:
+        """Target-only greedy generation of several prompts as one left-padded batch (the
+        batching local teacher). Rows that finish leave the batch at once, so the remaining ones
+        do not pay for them (on a CPU each step costs about in proportion to its rows). Each
+        result carries the batch's wall time as its latency."""
+        start = time.perf_counter()
+        dev = self.device
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(list(p))
+            mask[i, width - len(p) :] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        cache = DynamicCache(config=self.target.config)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self.target(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        outs: list[list[int]] = [[] for _ in prompts]
+        finish = ["length"] * len(prompts)
+        active = list(range(len(prompts)))  # original index of each row still in the batch
+        while True:
+            nxt = logits.argmax(-1).tolist()
+            keep = []
+            for row, orig in enumerate(active):
+                if nxt[row] in self.eos_token_ids:
+                    finish[orig] = "stop"
+                    continue
+                outs[orig].append(nxt[row])
+                if len(outs[orig]) < max_new_tokens[orig]:
+                    keep.append(row)
+            if not keep:
+                break
+            if len(keep) < len(active):
+                sel = torch.tensor(keep, device=dev)
+                cache.batch_select_indices(sel)
+                mask = mask[sel]
+                active = [active[r] for r in keep]
+            step = torch.tensor([[nxt[r]] for r in keep], dtype=torch.long, device=dev)
+            mask = torch.cat(
+                [mask, torch.ones((len(keep), 1), dtype=mask.dtype, device=dev)], dim=1
+            )
+            pos = mask.sum(-1, keepdim=True) - 1
+            logits = self.target(
+                input_ids=step,
+                attention_mask=mask,
+                position_ids=pos,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1]
+        elapsed = time.perf_counter() - start
+        return [
+            GenerationResult(
+                token_ids=o,
+                arm=0,
+                finish_reason=f,
+                latency_s=elapsed,
+                draft_s=0.0,
+                verify_s=elapsed,
+                prompt_tokens=len(p),
+                rounds=len(o),
+            )
+            for o, f, p in zip(outs, finish, prompts, strict=True)
+        ]

@@ -1,0 +1,297 @@
+"""Scheduled retraining: split, distill, train, merge, bench, then the promotion gate.
+
+    python -m pipeline retrain --config FILE [--resume RUN_ID]     (or: make retrain)
+
+Each run lives in <artifacts>/runs/<run_id>/ (UTC timestamp id) with the layout of a
+single-stage workspace. A stage records a manifest of its inputs (file hashes, resolved config)
+and outputs; a stage whose manifest still matches is skipped, so rerunning a finished run does
+nothing and rerunning a crashed one resumes at the stage that failed. Without --resume the
+latest unfinished run is resumed, or a new run starts. One job at a time (<artifacts>/retrain.lock;
+a stale lock from a dead process is cleared). The new draft is published and becomes
+<artifacts>/current only if its bench was lossless and its held-out acceptance beats the
+promoted draft's (first run: the base draft's) by `retrain.min_gain`.
+
+Exit codes for schedulers: 0 promoted (or nothing to do), 2 bad config or input, 3 teacher
+unavailable (retry later), 4 lossless check failed, 5 gate rejected, 6 lock held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .config import Config
+from .errors import GateRejected, InputError, LockHeld
+from .workspace import Workspace, atomic_write_json, sha256_file
+
+log = logging.getLogger(__name__)
+
+STAGES = ("split", "distill", "train", "merge", "bench")
+
+# What each stage reads (files in the run workspace) and which config sections shape it.
+STAGE_INPUTS: dict[str, tuple[list[str], list[str]]] = {
+    "split": ([], ["data"]),
+    "distill": (["data/train.jsonl"], ["teacher", "distill", "models"]),
+    "train": (["teacher/answers.jsonl"], ["train", "models", "teacher"]),
+    "merge": (["adapter/metrics.json", "adapter/model"], ["merge", "models", "train"]),
+    "bench": (["merged", "data/test.jsonl"], ["bench", "bandit", "models"]),
+}
+STAGE_OUTPUTS = {
+    "split": ["data/train.jsonl", "data/test.jsonl", "data/manifest.json"],
+    "distill": ["teacher/answers.jsonl", "teacher/summary.json"],
+    "train": ["adapter/metrics.json", "adapter/model"],
+    "merge": ["merged"],
+    "bench": ["bench/results.json"],
+}
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+
+
+def path_hash(path: Path) -> str | None:
+    """sha256 of a file, or of a directory's files (names and contents); None if absent."""
+    if path.is_file():
+        return sha256_file(path)
+    if path.is_dir():
+        h = hashlib.sha256()
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            h.update(f.relative_to(path).as_posix().encode() + b"\0" + sha256_file(f).encode())
+        return h.hexdigest()
+    return None
+
+
+def stage_manifest(stage: str, cfg: Config, ws: Workspace, with_outputs: bool) -> dict[str, Any]:
+    files, sections = STAGE_INPUTS[stage]
+    resolved = cfg.resolved()
+    inputs = {f: path_hash(ws.root / f) for f in files}
+    if stage == "split":
+        from .split import load_source
+
+        inputs["source"] = load_source(cfg)[2]
+    manifest: dict[str, Any] = {
+        "stage": stage,
+        "inputs": inputs,
+        "config": {s: resolved[s] for s in sections},
+    }
+    if with_outputs:
+        manifest["outputs"] = {f: path_hash(ws.root / f) for f in STAGE_OUTPUTS[stage]}
+    return manifest
+
+
+def stage_is_current(stage: str, cfg: Config, ws: Workspace) -> bool:
+    path = ws.root / "manifests" / f"{stage}.json"
+    if not path.exists():
+        return False
+    saved = json.loads(path.read_text())
+    now = stage_manifest(stage, cfg, ws, with_outputs=True)
+    return saved == now and all(v is not None for v in now["outputs"].values())
+
+
+# --- the lock --------------------------------------------------------------------------------
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def retrain_lock(path: Path, run_id: str) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    me = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "run_id": run_id,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                holder = json.loads(path.read_text())
+            except (OSError, ValueError):
+                holder = {}
+            same_host = holder.get("host") == me["host"]
+            if holder and (not same_host or _alive(int(holder.get("pid", -1)))):
+                raise LockHeld(
+                    f"another retrain holds {path}: pid {holder.get('pid')} on {holder.get('host')}, "
+                    f"run {holder.get('run_id')}, since {holder.get('started')}"
+                ) from None
+            log.warning(
+                "clearing a stale retrain lock %s (holder %s is gone)", path, holder or "unreadable"
+            )
+            path.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)
+        return
+    raise LockHeld(f"could not take the retrain lock {path}")
+
+
+# --- the job ---------------------------------------------------------------------------------
+def pick_run(root: Path, resume: str | None) -> tuple[str, bool]:
+    runs = root / "runs"
+    if resume:
+        if not (runs / resume).is_dir():
+            raise InputError(f"no run {resume!r} under {runs}")
+        return resume, True
+    for d in sorted(runs.glob("*"), reverse=True) if runs.is_dir() else []:
+        info = d / "run.json"
+        if info.exists() and json.loads(info.read_text()).get("status") not in (
+            "promoted",
+            "rejected",
+        ):
+            return d.name, True
+    return new_run_id(), False
+
+
+def gate_metric(results: dict, draft: str, mode: str) -> float | None:
+    return next(
+        (
+            r["acceptance_rate"]
+            for r in results["rows"]
+            if r["draft"] == draft and r["mode"] == mode
+        ),
+        None,
+    )
+
+
+def run(cfg: Config, root: Path, telemetry, resume: str | None = None) -> dict[str, Any]:
+    from . import bench, merge, split, teacher, train
+
+    root = Path(root)
+    run_id, resuming = pick_run(root, resume)
+    with retrain_lock(root / "retrain.lock", run_id):
+        ws = Workspace(root / "runs" / run_id, cache=root / "cache")
+        info_file = ws.root / "run.json"
+        info = (
+            json.loads(info_file.read_text())
+            if info_file.exists()
+            else {
+                "run_id": run_id,
+                "status": "running",
+                "stages": {},
+                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+        )
+        log.info(
+            "retrain: %s run %s in %s", "resuming" if resuming else "starting", run_id, ws.root
+        )
+        # Stages publish nothing themselves: promotion does, after the gate.
+        stage_cfg = cfg.model_copy(
+            update={"publish": cfg.publish.model_copy(update={"target": "none"})}
+        )
+        steps = {
+            "split": lambda: split.run(stage_cfg, ws),
+            "distill": lambda: teacher.run(stage_cfg, ws),
+            "train": lambda: train.run(stage_cfg, ws),
+            "merge": lambda: merge.run(stage_cfg, ws),
+            "bench": lambda: bench.run(stage_cfg, ws, telemetry),
+        }
+        for stage in STAGES:
+            if stage_is_current(stage, stage_cfg, ws):
+                log.info("retrain: %s is up to date: skipped", stage)
+                info["stages"][stage] = "skipped"
+                continue
+            info["stages"][stage] = "running"
+            atomic_write_json(info_file, info)
+            with telemetry.stage(stage) as figures:
+                figures.update(steps[stage]() or {})
+            atomic_write_json(
+                ws.root / "manifests" / f"{stage}.json",
+                stage_manifest(stage, stage_cfg, ws, with_outputs=True),
+            )
+            info["stages"][stage] = "done"
+            atomic_write_json(info_file, info)
+
+        if info.get("status") in ("promoted", "rejected"):
+            log.info("retrain: run %s already ended (%s); nothing to do", run_id, info["status"])
+            return info
+        decision = promote_or_reject(cfg, root, ws, run_id)
+        info["status"] = "promoted" if decision["promoted"] else "rejected"
+        info["gate"] = decision
+        info["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        atomic_write_json(info_file, info)
+        if not decision["promoted"]:
+            raise GateRejected(f"run {run_id} not promoted: {decision['reason']}")
+        return info
+
+
+def promote_or_reject(cfg: Config, root: Path, ws: Workspace, run_id: str) -> dict[str, Any]:
+    from . import publish
+
+    results = json.loads((ws.bench / "results.json").read_text())
+    mode = cfg.retrain.gate_mode
+    new = gate_metric(results, "distilled", mode)
+    current = current_run(root)
+    if current is not None and current != run_id:
+        old_results = json.loads((root / "runs" / current / "bench" / "results.json").read_text())
+        old, against = gate_metric(old_results, "distilled", mode), f"promoted run {current}"
+    else:
+        old, against = gate_metric(results, "base", mode), "the base draft"
+    decision: dict[str, Any] = {
+        "mode": mode,
+        "new_acceptance": new,
+        "baseline_acceptance": old,
+        "baseline": against,
+        "min_gain": cfg.retrain.min_gain,
+        "lossless": results["lossless"],
+    }
+    if not results["lossless"]:
+        reason = "the bench was not lossless"
+    elif new is None or old is None:
+        reason = f"no {mode} acceptance to compare (configure bench.fixed_arms / retrain.gate_mode)"
+    elif new - old < cfg.retrain.min_gain:
+        reason = (
+            f"acceptance {new:.4f} does not beat {against} ({old:.4f}) by {cfg.retrain.min_gain} "
+            f"(gain {new - old:+.4f})"
+        )
+    else:
+        reason = None
+    decision["promoted"] = reason is None
+    decision["reason"] = (
+        reason or f"acceptance {new:.4f} beats {against} ({old:.4f}) by {new - old:+.4f}"
+    )
+    atomic_write_json(ws.root / "gate.json", decision)
+    if reason is not None:
+        log.warning("gate: %s; `current` stays %s", reason, current)
+        return decision
+    pub_cfg = cfg
+    if cfg.publish.target == "local" and not cfg.publish.registry:
+        pub_cfg = cfg.model_copy(
+            update={"publish": cfg.publish.model_copy(update={"registry": str(root / "registry")})}
+        )
+    decision["published"] = publish.publish(pub_cfg, ws, ws.merged, rid=run_id)
+    point_current(root, run_id)
+    log.info("gate: %s; promoted run %s", decision["reason"], run_id)
+    return decision
+
+
+def current_run(root: Path) -> str | None:
+    link = root / "current"
+    return os.readlink(link).rsplit("/", 1)[-1] if link.is_symlink() else None
+
+
+def point_current(root: Path, run_id: str) -> None:
+    """Atomically repoint <root>/current at runs/<run_id> (a new symlink renamed over the old)."""
+    tmp = root / f".current.{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    os.symlink(f"runs/{run_id}", tmp)
+    os.replace(tmp, root / "current")
