@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import platform
-import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,8 +28,7 @@ from tqdm import tqdm
 from . import models, report
 from .config import Config
 from .errors import InputError, VerificationError
-from .spec.bandit import EpsilonGreedy
-from .spec.core import ServingCore, eos_ids, parse_mode
+from .spec.core import ServingCore, eos_ids, make_bandit, parse_mode
 from .spec.engine import SpecEngine
 from .workspace import Workspace, atomic_write_json, atomic_write_text, read_jsonl
 
@@ -84,18 +82,6 @@ def prompt_ids(cfg: Config, tok, rows: list[dict]) -> list[list[int]]:
         )
         out.append(tok(text, add_special_tokens=False)["input_ids"])
     return out
-
-
-def make_bandit(cfg: Config) -> EpsilonGreedy:
-    b = cfg.bandit
-    return EpsilonGreedy(
-        b.arms,
-        random.Random(b.seed),
-        b.warmup_pulls,
-        b.epsilon_start,
-        b.epsilon_floor,
-        b.epsilon_decay,
-    )
 
 
 def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) -> dict[str, Any]:

@@ -77,6 +77,12 @@ class BanditConfig(Section):
     epsilon_start: float = Field(0.3, ge=0, le=1)
     epsilon_floor: float = Field(0.05, ge=0, le=1)
     epsilon_decay: float = Field(0.97, gt=0, le=1)
+    explore: Literal["uniform", "plausible"] = Field(
+        "uniform",
+        description="uniform: the seed's epsilon-greedy; plausible: explore only arms that "
+        "may still be the best (mean + z standard errors >= best mean).",
+    )
+    z: float = Field(2.0, gt=0, description="Standard errors of slack for explore: plausible.")
     seed: int = 0
 
     @field_validator("arms")

@@ -85,3 +85,34 @@ def test_thread_safe_updates():
     for t in threads:
         t.join()
     assert b.counts[2] == 4000 and abs(b.means[2] - 1.0) < 1e-9
+
+
+def test_plausible_exploration_skips_clearly_worse_arms():
+    rewards = {0: 20, 2: 5, 4: 4, 6: 3, 8: 2}  # arm 0 dominates by far more than the noise
+    seed = make(explore="plausible")
+    choices = drive(seed, rewards, 200)
+    after = [a for a, _ in choices[10:]]
+    assert after.count(0) == len(after)  # exploration never wastes a request on a hopeless arm
+    plain = drive(make(), rewards, 200)
+    assert [a for a, _ in plain[10:]].count(0) < len(after)  # the seed's uniform exploration does
+
+
+def test_plausible_exploration_keeps_close_arms_in_play():
+    b = make(explore="plausible")
+    for _ in range(5):
+        b.update(0, 10.0)
+        b.update(2, 9.9)
+        b.update(4, 1.0)
+    b.update(2, 10.5)
+    b.update(0, 9.0)
+    assert set(b.candidates()) == {0, 2, 6, 8}  # 4 is hopeless; 6 and 8 are untried
+    assert make(explore="uniform").candidates() == ARMS
+
+
+def test_variance_survives_a_restart(tmp_path):
+    b = make(explore="plausible")
+    drive(b, {a: a for a in ARMS}, 40)
+    save_bandit(b, tmp_path / "s.json")
+    c = make(explore="plausible")
+    load_bandit(c, tmp_path / "s.json")
+    assert c.m2 == b.m2 and c.candidates() == b.candidates()

@@ -269,15 +269,7 @@ def build_core(cfg, ws, mode: str | None = None, load_draft: bool | None = None)
     engine = SpecEngine(
         target, draft, eos_token_ids=eos_ids(tok, target), pad_token_id=tok.pad_token_id
     )
-    b = cfg.bandit
-    bandit = EpsilonGreedy(
-        b.arms,
-        random.Random(b.seed),
-        b.warmup_pulls,
-        b.epsilon_start,
-        b.epsilon_floor,
-        b.epsilon_decay,
-    )
+    bandit = make_bandit(cfg)
     return ServingCore(
         engine,
         tok,
@@ -287,6 +279,21 @@ def build_core(cfg, ws, mode: str | None = None, load_draft: bool | None = None)
         default_mode=mode,
         state_file=ws.state / "bandit.json",
         max_batch=cfg.server.max_batch,
+    )
+
+
+def make_bandit(cfg) -> EpsilonGreedy:
+    """A fresh bandit from the `bandit` config section, seeded."""
+    b = cfg.bandit
+    return EpsilonGreedy(
+        b.arms,
+        random.Random(b.seed),
+        b.warmup_pulls,
+        b.epsilon_start,
+        b.epsilon_floor,
+        b.epsilon_decay,
+        explore=b.explore,
+        z=b.z,
     )
 
 
