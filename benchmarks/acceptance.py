@@ -40,8 +40,15 @@ def main() -> None:
         secs = 0.0
         for p in ids:
             r = eng.generate(p, args.k, args.tokens)
-            acc, prop, toks, secs = acc + r.accepted, prop + r.proposed, toks + r.output_tokens, secs + r.latency_s
-        print(f"{spec}: acceptance {acc / prop:.3f} ({acc}/{prop}) at k={args.k}, {toks / secs:.2f} tokens/s")
+            acc, prop, toks, secs = (
+                acc + r.accepted,
+                prop + r.proposed,
+                toks + r.output_tokens,
+                secs + r.latency_s,
+            )
+        print(
+            f"{spec}: acceptance {acc / prop:.3f} ({acc}/{prop}) at k={args.k}, {toks / secs:.2f} tokens/s"
+        )
 
 
 if __name__ == "__main__":

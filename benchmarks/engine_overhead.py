@@ -44,15 +44,7 @@ def main() -> None:
         if ws.test_file.exists()
         else ["Write a function to reverse a string."] * args.prompts
     )
-    prompts = [
-        tok(
-            tok.apply_chat_template(
-                [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
-            ),
-            add_special_tokens=False,
-        )["input_ids"]
-        for t in texts
-    ]
+    prompts = [models.user_prompt_ids(tok, t) for t in texts]
     eng.generate(prompts[0], 0, 8)  # warm-up
 
     rows = {}

@@ -72,16 +72,7 @@ def environment(cfg: Config, device: str) -> dict[str, Any]:
 def prompt_ids(cfg: Config, tok, rows: list[dict]) -> list[list[int]]:
     from .train import template_kwargs
 
-    out = []
-    for r in rows:
-        text = tok.apply_chat_template(
-            [{"role": "user", "content": r["prompt"]}],
-            tokenize=False,
-            add_generation_prompt=True,
-            **template_kwargs(cfg),
-        )
-        out.append(tok(text, add_special_tokens=False)["input_ids"])
-    return out
+    return [models.user_prompt_ids(tok, r["prompt"], template_kwargs(cfg)) for r in rows]
 
 
 def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) -> dict[str, Any]:

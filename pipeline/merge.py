@@ -25,21 +25,14 @@ log = logging.getLogger(__name__)
 
 
 def verification_inputs(cfg: Config, ws: Workspace, tok) -> list[list[int]]:
+    from . import models
     from .train import template_kwargs
 
     rows = read_jsonl(ws.test_file) if ws.test_file.exists() else []
     texts = [r["prompt"] for r in rows[: cfg.merge.verify_prompts]] or [
         "Write a function to add two numbers."
     ]
-    out = []
-    for text in texts:
-        rendered = tok.apply_chat_template(
-            [{"role": "user", "content": text}],
-            tokenize=False,
-            add_generation_prompt=True,
-            **template_kwargs(cfg),
-        )
-        out.append(tok(rendered, add_special_tokens=False)["input_ids"][-256:])
+    out = [models.user_prompt_ids(tok, text, template_kwargs(cfg))[-256:] for text in texts]
     return out
 
 

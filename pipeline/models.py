@@ -80,6 +80,28 @@ def _publish_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _save_to_cache(model, tok, cache: Path, out: Path, extra: dict[str, str] | None = None) -> Path:
+    """Write model + tokenizer (+ extra files) under a temporary name, then publish as `out`."""
+    tmp = make_temp_dir(cache, f".{out.name}.")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    for name, text in (extra or {}).items():
+        (tmp / name).write_text(text)
+    _publish_dir(tmp, out)
+    return out
+
+
+def user_prompt_ids(tok, text: str, template_kwargs: dict | None = None) -> list[int]:
+    """The token ids a model sees for one user message, generation prompt included."""
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": text}],
+        tokenize=False,
+        add_generation_prompt=True,
+        **(template_kwargs or {}),
+    )
+    return list(tok(rendered, add_special_tokens=False)["input_ids"])
+
+
 def _convert_embedded(name: str, cache: Path) -> Path:
     gguf = embedded_gguf_path(name)
     digest = sha256_file(gguf)[:16]
@@ -100,12 +122,7 @@ def _convert_embedded(name: str, cache: Path) -> Path:
         del model.config.quantization_config
     if not tok.chat_template:
         tok.chat_template = CHATML_TEMPLATE
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = make_temp_dir(cache, f".{out.name}.")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    _publish_dir(tmp, out)
-    return out
+    return _save_to_cache(model, tok, cache, out)
 
 
 def parse_tiny(spec: str) -> dict[str, Any]:
@@ -175,12 +192,7 @@ def _build_tiny(spec: str, cache: Path) -> Path:
     model.generation_config = GenerationConfig(
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
     )
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = make_temp_dir(cache, f".{out.name}.")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    _publish_dir(tmp, out)
-    return out
+    return _save_to_cache(model, tok, cache, out)
 
 
 def parse_cut(spec: str, n_layers: int) -> list[int]:
@@ -230,12 +242,13 @@ def _cut(target_ref: str, spec: str, cache: Path) -> Path:
         config.layer_types = [config.layer_types[i] for i in keep]
     config.num_hidden_layers = len(keep)
     tok = AutoTokenizer.from_pretrained(target_ref)
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = make_temp_dir(cache, f".{out.name}.")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    (tmp / "phoenix_cut.json").write_text(json.dumps({"target": target_ref, "layers": keep}) + "\n")
-    _publish_dir(tmp, out)
+    _save_to_cache(
+        model,
+        tok,
+        cache,
+        out,
+        {"phoenix_cut.json": json.dumps({"target": target_ref, "layers": keep}) + "\n"},
+    )
     log.info("cut draft: layers %s of %s -> %s", keep, target_ref, out)
     return out
 

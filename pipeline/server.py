@@ -33,7 +33,9 @@ log = logging.getLogger(__name__)
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code=None):
+    def __init__(
+        self, status: int, message: str, type_: str, param: str | None = None, code=None, headers=None
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
             status,
@@ -42,8 +44,9 @@ class APIError(Exception):
             param,
             code,
         )
+        self.headers = headers
 
-    def response(self, headers: dict | None = None) -> JSONResponse:
+    def response(self) -> JSONResponse:
         body = {
             "error": {
                 "message": self.message,
@@ -52,7 +55,7 @@ class APIError(Exception):
                 "code": self.code,
             }
         }
-        return JSONResponse(body, status_code=self.status, headers=headers)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -295,6 +298,7 @@ def create_app(
                 "rate_limit_error",
                 None,
                 "queue_full",
+                headers={"Retry-After": "1"},
             )
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())

@@ -20,6 +20,7 @@ from typing import Any
 
 from .config import Config
 from .errors import InputError
+from .models import user_prompt_ids
 from .workspace import (
     Workspace,
     atomic_write_json,
@@ -41,13 +42,7 @@ def build_examples(
     eos = tokenizer.eos_token_id
     rows = []
     for a in answers:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": a["prompt"]}],
-            tokenize=False,
-            add_generation_prompt=True,
-            **template_kwargs,
-        )
-        p_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        p_ids = user_prompt_ids(tokenizer, a["prompt"], template_kwargs)
         c_ids = a.get("completion_token_ids")
         if c_ids is None:
             c_ids = tokenizer(a["completion"], add_special_tokens=False)["input_ids"]
