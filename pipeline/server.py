@@ -34,7 +34,13 @@ log = logging.getLogger(__name__)
 
 class APIError(Exception):
     def __init__(
-        self, status: int, message: str, type_: str, param: str | None = None, code=None, headers=None
+        self,
+        status: int,
+        message: str,
+        type_: str,
+        param: str | None = None,
+        code=None,
+        headers=None,
     ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (

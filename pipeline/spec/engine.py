@@ -213,15 +213,19 @@ class SpecEngine:
             mask[i, width - len(p) :] = 1
         ids, mask = ids.to(dev), mask.to(dev)
         cache = DynamicCache(config=self.target.config)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = self.target(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]
+
+        def last_logits(inp: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+            out = self.target(
+                input_ids=inp,
+                attention_mask=mask,
+                position_ids=pos,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            return out.logits[:, -1]
+
+        logits = last_logits(ids, (mask.cumsum(-1) - 1).clamp(min=0))
         outs: list[list[int]] = [[] for _ in prompts]
         finish = ["length"] * len(prompts)
         active = list(range(len(prompts)))  # original index of each row still in the batch
@@ -246,15 +250,7 @@ class SpecEngine:
             mask = torch.cat(
                 [mask, torch.ones((len(keep), 1), dtype=mask.dtype, device=dev)], dim=1
             )
-            pos = mask.sum(-1, keepdim=True) - 1
-            logits = self.target(
-                input_ids=step,
-                attention_mask=mask,
-                position_ids=pos,
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            ).logits[:, -1]
+            logits = last_logits(step, mask.sum(-1, keepdim=True) - 1)
         elapsed = time.perf_counter() - start
         return [
             GenerationResult(
