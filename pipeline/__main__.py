@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from . import errors
@@ -115,8 +116,18 @@ def run_stage(stage: str, cfg: Config, ws: Workspace, args: argparse.Namespace, 
                 atomic_write_text(ws.bench / "config.yaml", text)
 
 
+def _interrupt(_signum, _frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.stage != "serve":  # uvicorn installs its own handlers
+        # Ctrl-C and SIGTERM (schedulers) both stop a stage cleanly, with its `finally` blocks
+        # (the local teacher is stopped), also when started with SIGINT ignored, as background
+        # jobs of non-interactive shells are.
+        signal.signal(signal.SIGINT, _interrupt)
+        signal.signal(signal.SIGTERM, _interrupt)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

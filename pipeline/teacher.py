@@ -98,6 +98,7 @@ class TeacherClient:
         max_retries: int = 5,
         budget: RetryBudget | None = None,
         backoff_cap_s: float = 8.0,
+        pool_size: int = 16,
     ):
         self.base_url = base_url.rstrip("/")
         root = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
@@ -108,6 +109,9 @@ class TeacherClient:
         self.backoff_cap_s = backoff_cap_s
         self.cancel = threading.Event()  # set to stop retrying (Ctrl-C, another request failed)
         self.session = requests.Session()
+        adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=pool_size)
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
         if api_key:
             self.session.headers["Authorization"] = f"Bearer {api_key}"
 
@@ -404,7 +408,12 @@ def _answer_all(
     t = cfg.teacher
     api_key = os.environ.get(t.api_key_env) if t.url != "local" else None
     client = TeacherClient(
-        url, api_key, t.request_timeout_s, t.max_retries, RetryBudget(t.retry_budget)
+        url,
+        api_key,
+        t.request_timeout_s,
+        t.max_retries,
+        RetryBudget(t.retry_budget),
+        pool_size=max(10, t.concurrency),
     )
     client.wait_ready(model, t.ready_timeout_s)
     extra: dict[str, Any] = {}
