@@ -18,7 +18,6 @@ unavailable (retry later), 4 lossless check failed, 5 gate rejected, 6 lock held
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -59,14 +58,11 @@ def new_run_id() -> str:
 
 def path_hash(path: Path) -> str | None:
     """sha256 of a file, or of a directory's files (names and contents); None if absent."""
+    from .publish import content_hash
+
     if path.is_file():
         return sha256_file(path)
-    if path.is_dir():
-        h = hashlib.sha256()
-        for f in sorted(p for p in path.rglob("*") if p.is_file()):
-            h.update(f.relative_to(path).as_posix().encode() + b"\0" + sha256_file(f).encode())
-        return h.hexdigest()
-    return None
+    return content_hash(path) if path.is_dir() else None
 
 
 def stage_manifest(stage: str, cfg: Config, ws: Workspace, with_outputs: bool) -> dict[str, Any]:
