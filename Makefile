@@ -9,7 +9,7 @@ STAMP     := $(VENV)/.phoenix-installed
 RUN       := $(PY) -m pipeline
 ARGS       = --config $(CONFIG) --artifacts $(ARTIFACTS) $(foreach s,$(SET),--set $(s))
 
-.PHONY: setup test test-slow lint demo split distill train merge bench serve retrain clean
+.PHONY: setup test test-slow lint demo split distill train merge bench serve retrain perf clean
 
 setup: $(STAMP)
 
@@ -31,14 +31,18 @@ test-slow: setup
 	$(PY) -m pytest -q -m slow
 
 lint: setup
-	$(VENV)/bin/ruff check pipeline tests
-	$(VENV)/bin/ruff format --check pipeline tests
+	$(VENV)/bin/ruff check pipeline tests benchmarks
+	$(VENV)/bin/ruff format --check pipeline tests benchmarks
 
 demo: setup
 	$(RUN) demo $(ARGS)
 
 split distill train merge bench serve retrain: setup
 	$(RUN) $@ $(ARGS)
+
+# Issue 9's performance figures against their goals (needs `make merge` first).
+perf: setup
+	$(PY) benchmarks/performance.py --config $(CONFIG) --artifacts $(ARTIFACTS)
 
 clean:
 	rm -rf $(VENV)

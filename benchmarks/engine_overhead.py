@@ -6,7 +6,7 @@ slowdown against plain target generation is pure framework overhead.
 
 Compares, on the same prompts in the same run: Phoenix's engine at arm 0 (target only) and at
 each arm k, and with --hf transformers' own assisted generation (constant schedule, no
-confidence threshold) and plain `generate`. Prints tokens/s and the ratio to target-only.
+confidence threshold) and plain `generate`. Prints tokens/s, the ratio to target-only, and draft vs verify seconds per request.
 """
 
 from __future__ import annotations
@@ -22,6 +22,25 @@ from pipeline.config import load_config
 from pipeline.spec.core import eos_ids
 from pipeline.spec.engine import SpecEngine
 from pipeline.workspace import Workspace, read_jsonl
+
+
+def loop_overhead(eng: SpecEngine, prompts: list[list[int]], tokens: int, arms: list[int]) -> dict:
+    """Target-only and each self-draft arm on the same prompts: tokens/s over the whole run, and
+    mean draft and verify seconds per request."""
+    eng.generate(prompts[0], 0, 8)  # warm-up
+    rows = {}
+    for k in [0, *arms]:
+        results = [eng.generate(ids, k, tokens) for ids in prompts]
+        secs = sum(r.latency_s for r in results)
+        rows["phoenix target-only" if k == 0 else f"phoenix fixed_{k} (self-draft)"] = {
+            "arm": k,
+            "tokens_per_second": sum(r.output_tokens for r in results) / secs,
+            "draft_s_per_request": sum(r.draft_s for r in results) / len(results),
+            "verify_s_per_request": sum(r.verify_s for r in results) / len(results),
+            "acceptance": sum(r.accepted for r in results)
+            / max(1, sum(r.proposed for r in results)),
+        }
+    return rows
 
 
 def main() -> None:
@@ -45,45 +64,35 @@ def main() -> None:
         else ["Write a function to reverse a string."] * args.prompts
     )
     prompts = [models.user_prompt_ids(tok, t) for t in texts]
-    eng.generate(prompts[0], 0, 8)  # warm-up
-
-    rows = {}
-
-    def record(name, fn):
-        toks = secs = 0.0
-        for ids in prompts:
-            t0 = time.perf_counter()
-            n = fn(ids)
-            secs += time.perf_counter() - t0
-            toks += n
-        rows[name] = toks / secs
-
-    record("phoenix target-only", lambda ids: eng.generate(ids, 0, args.tokens).output_tokens)
-    for k in args.arms:
-        record(
-            f"phoenix fixed_{k} (self-draft)",
-            lambda ids, k=k: eng.generate(ids, k, args.tokens).output_tokens,
-        )
+    rows = loop_overhead(eng, prompts, args.tokens, args.arms)
     if args.hf:
         target.generation_config.num_assistant_tokens_schedule = "constant"
         target.generation_config.assistant_confidence_threshold = 0.0
 
-        def hf(ids, k=None):
-            inp = torch.tensor([ids])
+        def hf(name, k=None):
             kw = dict(max_new_tokens=args.tokens, do_sample=False, pad_token_id=tok.pad_token_id)
             if k:
                 target.generation_config.num_assistant_tokens = k
                 kw["assistant_model"] = target
-            return int(target.generate(inp, **kw).shape[1] - len(ids))
+            toks = 0
+            t0 = time.perf_counter()
+            for ids in prompts:
+                toks += int(target.generate(torch.tensor([ids]), **kw).shape[1] - len(ids))
+            rows[name] = {"arm": k or 0, "tokens_per_second": toks / (time.perf_counter() - t0)}
 
-        record("transformers generate", hf)
+        hf("transformers generate")
         for k in args.arms:
-            record(f"transformers assisted k={k} (self-draft)", lambda ids, k=k: hf(ids, k))
-    base = rows["phoenix target-only"]
-    print(f"{'run':44s} {'tok/s':>8s} {'vs target-only':>15s}")
-    for name, tps in rows.items():
-        print(f"{name:44s} {tps:8.2f} {tps / base:14.2f}x")
-    print(json.dumps({"tokens_per_second": rows, "threads": torch.get_num_threads()}))
+            hf(f"transformers assisted k={k} (self-draft)", k)
+    base = rows["phoenix target-only"]["tokens_per_second"]
+    print(
+        f"{'run':44s} {'tok/s':>8s} {'vs target-only':>15s} {'draft s/req':>12s} {'verify s/req':>13s}"
+    )
+    for name, row in rows.items():
+        tps = row["tokens_per_second"]
+        d, v = row.get("draft_s_per_request"), row.get("verify_s_per_request")
+        extra = f" {d:12.2f} {v:13.2f}" if d is not None else ""
+        print(f"{name:44s} {tps:8.2f} {tps / base:14.2f}x{extra}")
+    print(json.dumps({"runs": rows, "threads": torch.get_num_threads()}))
 
 
 if __name__ == "__main__":

@@ -95,7 +95,7 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
     records: list[dict] = []
     model_id = cfg.models.served_name or cfg.models.target
 
-    def measure(core: ServingCore, draft: str, mode_text: str) -> None:
+    def measure(core: ServingCore, draft: str, mode_text: str, label: str | None = None) -> None:
         mode = parse_mode(
             mode_text,
             core.bandit.arms
@@ -106,15 +106,16 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
         warm_mode = parse_mode("target", [0], False)
         for w in range(n_warm):  # warm-up: excluded from every figure, never feeds the bandit
             telemetry.request(core, ids[w % len(ids)], min(16, cfg.bench.max_new_tokens), warm_mode)
+        label = label or mode.name
         for i, p in enumerate(
-            tqdm(ids, desc=f"bench {draft}/{mode.name}", unit="req", dynamic_ncols=True)
+            tqdm(ids, desc=f"bench {draft}/{label}", unit="req", dynamic_ncols=True)
         ):
             res = telemetry.request(core, p, cfg.bench.max_new_tokens, mode)
             r = res.result
             records.append(
                 {
                     "draft": draft,
-                    "mode": mode.name,
+                    "mode": label,
                     "prompt_index": i,
                     "task_id": rows[i]["task_id"],
                     "arm": r.arm,
@@ -157,6 +158,14 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
             if k > 0:
                 measure(core, draft, f"fixed:{k}")
         measure(core, draft, "bandit")
+        if cfg.bench.seed_bandit:
+            seed_cfg = cfg.model_copy(
+                update={"bandit": cfg.bandit.model_copy(update={"explore": "uniform"})}
+            )
+            seed_core = ServingCore(
+                core.engine, tok, make_bandit(seed_cfg), model_id, draft, "bandit"
+            )
+            measure(seed_core, draft, "bandit", label="bandit_seed")
         del draft_model, core
 
     mismatches = [
@@ -197,6 +206,7 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
             "fixed_arms": cfg.bench.fixed_arms,
             "bandit_arms": cfg.bandit.arms,
             "bandit_state": cfg.bench.bandit_state,
+            "bandit_explore": cfg.bandit.explore,
         },
         "drafts": drafts,
         "draft_models": {d: (cfg.models.draft if d == "base" else str(ws.merged)) for d in drafts},
@@ -204,6 +214,9 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
         "rows": result_rows,
         "distillation_gain": gains,
         "bandit": {d: report.bandit_summary(records, d) for d in drafts},
+        "bandit_seed": {d: report.bandit_summary(records, d, "bandit_seed") for d in drafts}
+        if cfg.bench.seed_bandit
+        else {},
         "position_acceptance": report.position_acceptance(records),
         "requests": [{k: v for k, v in r.items() if k != "token_ids"} for r in records],
     }

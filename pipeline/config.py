@@ -121,6 +121,11 @@ class BenchConfig(Section):
     warmup_requests: int = Field(
         1, ge=0, description="Requests per run excluded from every figure."
     )
+    seed_bandit: bool = Field(
+        False,
+        description="Also run the seed's bandit (bandit.explore=uniform) on the same prompts, "
+        "reported as mode bandit_seed.",
+    )
 
 
 class TrainConfig(Section):

@@ -56,7 +56,7 @@ def build_rows(records: list[dict]) -> list[dict]:
     for draft, mode in order:
         recs = [r for r in records if r["draft"] == draft and r["mode"] == mode]
         row = {"draft": draft, "mode": mode, **aggregate(recs), "arm_counts": None}
-        if mode == "bandit":
+        if mode.startswith("bandit"):
             row["arm_counts"] = {
                 str(a): n for a, n in sorted(Counter(r["arm"] for r in recs).items())
             }
@@ -84,9 +84,9 @@ def position_acceptance(records: list[dict]) -> dict[str, list[float]]:
     return out
 
 
-def bandit_summary(records: list[dict], draft: str) -> dict[str, Any] | None:
-    """The bandit after its warm-up, against the best single arm on the same prompts."""
-    bandit = [r for r in records if r["draft"] == draft and r["mode"] == "bandit"]
+def bandit_summary(records: list[dict], draft: str, mode: str = "bandit") -> dict[str, Any] | None:
+    """The bandit run `mode` after its warm-up, against the best single arm on the same prompts."""
+    bandit = [r for r in records if r["draft"] == draft and r["mode"] == mode]
     if not bandit:
         return None
     post = [r for r in bandit if not r["warmup"]]
@@ -131,6 +131,22 @@ def _fmt(x, digits=2, pct=False):
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "-"
     return f"{100 * x:.1f}%" if pct else f"{x:.{digits}f}"
+
+
+def _bandit_lines(title: str, b: dict) -> list[str]:
+    best = b["single_arm_tokens_per_second_same_prompts"].get(str(b["best_single_arm"]))
+    return [
+        f"## {title}",
+        "",
+        f"- Warm-up ({b['warmup_requests']} requests, every arm in turn): arms {b['warmup_arms']}.",
+        f"- After warm-up ({b['post_warmup_requests']} requests): arm counts "
+        f"{b['post_warmup_arm_counts']}.",
+        f"- Post-warm-up tokens/s {_fmt(b['post_warmup_tokens_per_second'])} vs best single arm "
+        f"(arm {b['best_single_arm']}, same prompts) {_fmt(best)}: ratio "
+        f"**{_fmt(b['ratio_to_best_arm'])}x**; {_fmt(b['share_choosing_best_arm'], pct=True)} of "
+        "post-warm-up requests chose the best arm.",
+        "",
+    ]
 
 
 def markdown(results: dict) -> str:
@@ -178,21 +194,13 @@ def markdown(results: dict) -> str:
                 f"{_fmt(g['gain'], pct=True)} |"
             )
         lines.append("")
-    for draft, b in (results.get("bandit") or {}).items():
-        if not b:
-            continue
-        lines += [
-            f"## Bandit ({draft} draft)",
-            "",
-            f"- Warm-up ({b['warmup_requests']} requests, every arm in turn): arms {b['warmup_arms']}.",
-            f"- After warm-up ({b['post_warmup_requests']} requests): arm counts {b['post_warmup_arm_counts']}.",
-            f"- Post-warm-up tokens/s {_fmt(b['post_warmup_tokens_per_second'])} vs best single arm "
-            f"(arm {b['best_single_arm']}, same prompts) "
-            f"{_fmt(b['single_arm_tokens_per_second_same_prompts'].get(str(b['best_single_arm'])))}: "
-            f"ratio **{_fmt(b['ratio_to_best_arm'])}x**; {_fmt(b['share_choosing_best_arm'], pct=True)} of "
-            "post-warm-up requests chose the best arm.",
-            "",
-        ]
+    explore = results["protocol"].get("bandit_explore", "uniform")
+    runs = [("Bandit", f"explore: {explore}", results.get("bandit") or {})]
+    runs.append(("Seed bandit", "the seed's explore: uniform", results.get("bandit_seed") or {}))
+    for title, policy, per_draft in runs:
+        for draft, b in per_draft.items():
+            if b:
+                lines += _bandit_lines(f"{title} ({draft} draft; {policy})", b)
     pos = results.get("position_acceptance") or {}
     if pos:
         lines += [
@@ -247,16 +255,17 @@ def write_plots(results: dict, records: list[dict], out: Path) -> list[str]:
     written.append("tokens_per_second.png")
 
     bandit = [
-        d
+        (d, m)
         for d in results["drafts"]
-        if any(r["draft"] == d and r["mode"] == "bandit" for r in records)
+        for m in ("bandit", "bandit_seed")
+        if any(r["draft"] == d and r["mode"] == m for r in records)
     ]
     if bandit:
         fig, axes = plt.subplots(
             len(bandit), 1, figsize=(8, 2.6 * len(bandit)), sharex=True, squeeze=False
         )
-        for ax, draft in zip(axes[:, 0], bandit, strict=True):
-            recs = [r for r in records if r["draft"] == draft and r["mode"] == "bandit"]
+        for ax, (draft, mode) in zip(axes[:, 0], bandit, strict=True):
+            recs = [r for r in records if r["draft"] == draft and r["mode"] == mode]
             colors = [
                 "tab:grey" if r["warmup"] else ("tab:orange" if r["explored"] else "tab:blue")
                 for r in recs
@@ -270,7 +279,7 @@ def write_plots(results: dict, records: list[dict], out: Path) -> list[str]:
             )
             ax.scatter(range(1, len(recs) + 1), [r["arm"] for r in recs], c=colors, zorder=2, s=25)
             ax.axvline(sum(r["warmup"] for r in recs) + 0.5, color="grey", linestyle=":")
-            ax.set_ylabel(f"{draft}: arm k")
+            ax.set_ylabel(f"{draft} {mode}: arm k")
             ax.set_yticks(sorted({r["arm"] for r in recs} | {0}))
         axes[0, 0].set_title(
             "Bandit: arm per request (grey: warm-up, orange: explored, blue: exploited)"

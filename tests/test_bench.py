@@ -1,6 +1,8 @@
 import json
 import shutil
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -147,15 +149,26 @@ def test_bench_base_only_and_missing_distilled(merged_ws, tmp_path):
         "bench.prompts=3",
         "--set",
         "bench.fixed_arms=[2,8]",
+        "--set",
+        "bench.seed_bandit=true",
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = json.loads((art / "bench" / "results.json").read_text())["rows"]
-    assert [(x["draft"], x["mode"]) for x in rows] == [
+    results = json.loads((art / "bench" / "results.json").read_text())
+    assert [(x["draft"], x["mode"]) for x in results["rows"]] == [
         ("none", "target"),
         ("base", "fixed_2"),
         ("base", "fixed_8"),
         ("base", "bandit"),
+        ("base", "bandit_seed"),
     ]
+    # The seed's policy ran on the same prompts with its own fresh state, and is reported.
+    seed = results["bandit_seed"]["base"]
+    assert seed["warmup_requests"] + seed["post_warmup_requests"] == 3
+    assert seed["arms_in_order"] == results["bandit"]["base"]["arms_in_order"][:3]
+    assert (
+        "Seed bandit (base draft; the seed's explore: uniform)"
+        in (art / "bench" / "report.md").read_text()
+    )
 
 
 def test_lossless_violation_is_reported_and_fails(merged_ws, tmp_path, monkeypatch):
@@ -211,3 +224,33 @@ def test_load_mode_against_a_running_server(merged_ws, tmp_path):
     assert load["requests"] == 9 and load["errors"] == 0
     assert load["succeeded"] + load["rate_limited_429"] == 9 and load["succeeded"] > 0
     assert load["p95_latency_s"] >= load["p50_latency_s"] > 0
+
+
+def test_performance_benchmark_reports_the_three_figures(merged_ws, tmp_path):
+    """benchmarks/performance.py end to end on the tiny models (a smoke run: figures exist and
+    add up; their values are this machine's business, shown in its output)."""
+    from tests.conftest import ROOT
+
+    art = tmp_path / "art"
+    shutil.copytree(merged_ws, art, ignore=shutil.ignore_patterns("bench", "teacher"))
+    cmd = [sys.executable, "benchmarks/performance.py", "--config", "configs/ci.yaml"]
+    cmd += ["--artifacts", str(art), "--loop-prompts", "2", "--loop-tokens", "6"]
+    cmd += ["--teacher-prompts", "3", "--bench-prompts", "12"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    perf = json.loads((art / "perf" / "performance.json").read_text())
+    runs = perf["loop"]["runs"]
+    assert [row["arm"] for row in runs.values()] == [0, 2, 4, 8]
+    assert all(row["acceptance"] == 1.0 for row in runs.values() if row["arm"])  # self-draft
+    assert runs["phoenix target-only"]["ratio_to_target_only"] == 1.0
+    one, many = perf["teacher"]["one_at_a_time"], perf["teacher"]["batched"]
+    assert one["max_batch"] == 1 and many["max_batch"] > 1
+    assert one["answers"] == many["answers"] == 3
+    assert one["completion_tokens"] == many["completion_tokens"]  # same prompts, same answers
+    assert perf["teacher"]["speedup"] == many["answers_per_minute"] / one["answers_per_minute"]
+    band = perf["bandit"]
+    assert band["prompts"] == 12 and band["lossless"] is True
+    assert band["configured"]["explore"] == "uniform"  # configs/ci.yaml keeps the seed's
+    assert band["seed"]["explore"] == "uniform" and band["seed"]["post_warmup_requests"] == 2
+    md = (art / "perf" / "performance.md").read_text()
+    assert md in r.stdout and "| 1. self-draft fixed_4" in md and "| seed (explore: uniform)" in md

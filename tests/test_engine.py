@@ -114,3 +114,24 @@ def test_batched_target_generation_equals_one_at_a_time(engines):
     for p, n, b in zip(prompts, limits, batch, strict=True):
         single = cut.generate(p, 0, n)
         assert b.token_ids == single.token_ids and b.finish_reason == single.finish_reason
+
+
+def test_skinny_linears_match_plain_linear_and_leave_training_alone():
+    import torch
+    import torch.nn.functional as F
+
+    from pipeline.spec.engine import SKINNY_MAX_ROWS, use_skinny_linears
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 8, bias=False))
+    assert use_skinny_linears(model) == 2 and use_skinny_linears(model) == 2  # idempotent
+    for rows in (1, 2, 5, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 3):
+        x = torch.randn(1, rows, 24)
+        with torch.inference_mode():
+            got = model(x)
+            want = F.linear(F.linear(x, model[0].weight, model[0].bias), model[1].weight)
+        assert got.shape == (1, rows, 8) and got.is_contiguous()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # With grad enabled (training) the plain path runs and gradients flow.
+    model(torch.randn(3, 24)).sum().backward()
+    assert model[0].weight.grad is not None

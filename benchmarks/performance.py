@@ -1,0 +1,237 @@
+"""Issue 9's three performance figures against their goals, from one run on this machine.
+
+    .venv/bin/python benchmarks/performance.py [--config configs/default.yaml] [--artifacts artifacts]
+        [--loop-prompts 8] [--loop-tokens 64] [--teacher-prompts 16] [--bench-prompts N]
+    (or: make perf; needs `make merge` first: part 3 benches the distilled draft)
+
+1. Speculative-loop overhead: the target drafting for itself (every guess accepted), arms 2, 4
+   and 8, against target-only on the same held-out prompts. Goal: fixed_4 >= 0.90x.
+2. Batching local teacher: distil the same training prompts twice, each into a fresh workspace
+   under <artifacts>/perf/: one at a time (server.max_batch=1) and batched (the config's
+   server.max_batch); local-teacher start-up is inside both. Answers/min come from each distill
+   summary. Goal: >= 3x.
+3. Bandit: the bench with the distilled draft on the held-out prompts (all of them by default):
+   every single arm, the configured bandit, and the seed's (explore: uniform). Goal: the
+   configured bandit's post-warm-up tokens/s >= 0.95x the best single arm on the same prompts.
+
+Writes <artifacts>/perf/performance.json and performance.md (the bench's own report and plots
+in <artifacts>/perf/bench/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from engine_overhead import loop_overhead
+
+from pipeline import bench, models
+from pipeline.bench import environment
+from pipeline.config import load_config
+from pipeline.spec.core import eos_ids
+from pipeline.spec.engine import SpecEngine
+from pipeline.telemetry import NullTelemetry
+from pipeline.workspace import Workspace, atomic_write_json, atomic_write_text, read_jsonl
+
+GOALS = {"loop_fixed_4": 0.90, "teacher_speedup": 3.0, "bandit_ratio": 0.95}
+
+
+class _PerfWorkspace(Workspace):
+    """The user's workspace (split, merged draft, model cache), with the bench writing elsewhere."""
+
+    def __init__(self, root: Path, out: Path):
+        super().__init__(root)
+        self._out = out
+
+    @property
+    def bench(self) -> Path:
+        return self._out
+
+
+def part_loop(cfg, ws: Workspace, n_prompts: int, tokens: int) -> dict:
+    ref = models.resolve(cfg.models.target, ws.models_cache)
+    tok = models.load_tokenizer(ref)
+    target = models.load_model(ref, cfg.models.dtype, cfg.models.device)
+    eng = SpecEngine(target, target, eos_ids(tok, target))
+    prompts = bench.prompt_ids(cfg, tok, read_jsonl(ws.test_file)[:n_prompts])
+    rows = loop_overhead(eng, prompts, tokens, [2, 4, 8])
+    base = rows["phoenix target-only"]["tokens_per_second"]
+    for row in rows.values():
+        row["ratio_to_target_only"] = row["tokens_per_second"] / base
+    return {"prompts": len(prompts), "max_new_tokens": tokens, "runs": rows}
+
+
+def _distill(args, out: Path, n: int, overrides: list[str]) -> dict:
+    sets = [x for s in [f"distill.limit={n}", *overrides] for x in ("--set", s)]
+    common = [
+        "--config",
+        args.config,
+        "--artifacts",
+        str(out),
+        "--cache",
+        str(Path(args.artifacts) / "cache"),
+    ]
+    for stage in ("split", "distill"):
+        r = subprocess.run([sys.executable, "-m", "pipeline", stage, *common, *sets])
+        if r.returncode != 0:
+            sys.exit(f"performance: {stage} into {out} failed (exit {r.returncode})")
+    return json.loads((out / "teacher" / "summary.json").read_text())
+
+
+def part_teacher(args, cfg, perf: Path) -> dict:
+    runs = {}
+    for name, batch in (("one_at_a_time", 1), ("batched", cfg.server.max_batch)):
+        out = perf / f"teacher-{name}"
+        if out.exists():
+            shutil.rmtree(out)  # a fresh workspace: every prompt is answered in this run
+        s = _distill(args, out, args.teacher_prompts, [f"server.max_batch={batch}"])
+        runs[name] = {
+            "max_batch": batch,
+            "answers": s["answered_this_run"],
+            "elapsed_s": s["elapsed_s_this_run"],
+            "answers_per_minute": s["answers_per_minute_this_run"],
+            "tokens_per_second": s["tokens_per_second_this_run"],
+            "completion_tokens": s["completion_tokens"],
+        }
+    one, many = runs["one_at_a_time"], runs["batched"]
+    return {**runs, "speedup": many["answers_per_minute"] / one["answers_per_minute"]}
+
+
+def part_bandit(args, cfg, ws: Workspace, perf: Path) -> dict:
+    arms = [a for a in cfg.bandit.arms if a > 0]
+    bcfg = load_config(
+        args.config,
+        [
+            f"bench.prompts={args.bench_prompts if args.bench_prompts else 'null'}",
+            "bench.drafts=[distilled]",
+            f"bench.fixed_arms={json.dumps(arms)}",
+            "bench.seed_bandit=true",
+        ],
+    )
+    bench.run(bcfg, _PerfWorkspace(ws.root, perf / "bench"), NullTelemetry())
+    results = json.loads((perf / "bench" / "results.json").read_text())
+    keep = (
+        "post_warmup_requests",
+        "post_warmup_arm_counts",
+        "post_warmup_tokens_per_second",
+        "best_single_arm",
+        "single_arm_tokens_per_second_same_prompts",
+        "ratio_to_best_arm",
+        "share_choosing_best_arm",
+    )
+    return {
+        "prompts": results["protocol"]["prompts"],
+        "max_new_tokens": results["protocol"]["max_new_tokens"],
+        "lossless": results["lossless"],
+        "configured": {
+            "explore": cfg.bandit.explore,
+            **{k: results["bandit"]["distilled"][k] for k in keep},
+        },
+        "seed": {"explore": "uniform", **{k: results["bandit_seed"]["distilled"][k] for k in keep}},
+    }
+
+
+def markdown(p: dict) -> str:
+    env, loop, teach, band = p["environment"], p["loop"], p["teacher"], p["bandit"]
+    f4 = loop["runs"]["phoenix fixed_4 (self-draft)"]["ratio_to_target_only"]
+    b = band["configured"]
+    lines = [
+        "# Phoenix performance (issue 9)",
+        "",
+        f"Hardware: {env['hardware']}; {env['device']}, {env['dtype']}, {env['threads']} threads; "
+        f"torch {env['torch']}, transformers {env['transformers']}. Date: {env['date']}. "
+        "All figures from this one run.",
+        "",
+        "| figure | measured | goal | met |",
+        "|---|---|---|---|",
+        f"| 1. self-draft fixed_4 tokens/s / target-only | {f4:.2f}x | >= {GOALS['loop_fixed_4']:.2f}x "
+        f"| {'yes' if f4 >= GOALS['loop_fixed_4'] else 'no'} |",
+        f"| 2. local teacher answers/min, batched / one at a time | {teach['speedup']:.2f}x | "
+        f">= {GOALS['teacher_speedup']:.1f}x | {'yes' if teach['speedup'] >= GOALS['teacher_speedup'] else 'no'} |",
+        f"| 3. bandit ({b['explore']}) tokens/s / best single arm, post-warm-up | "
+        f"{b['ratio_to_best_arm']:.2f}x | >= {GOALS['bandit_ratio']:.2f}x | "
+        f"{'yes' if b['ratio_to_best_arm'] >= GOALS['bandit_ratio'] else 'no'} |",
+        "",
+        f"## 1. Speculative-loop overhead ({loop['prompts']} held-out prompts, {loop['max_new_tokens']} tokens, "
+        "the target drafting for itself: every guess accepted)",
+        "",
+        "| run | tokens/s | vs target-only | draft s/request | verify s/request |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in loop["runs"].items():
+        lines.append(
+            f"| {name} | {r['tokens_per_second']:.2f} | {r['ratio_to_target_only']:.2f}x | "
+            f"{r['draft_s_per_request']:.2f} | {r['verify_s_per_request']:.2f} |"
+        )
+    lines += [
+        "",
+        f"## 2. Batching local teacher ({teach['batched']['answers']} training prompts, same prompts "
+        "both runs, start-up included)",
+        "",
+        "| run | max_batch | elapsed (s) | answers/min | tokens/s |",
+        "|---|---|---|---|---|",
+    ]
+    for name in ("one_at_a_time", "batched"):
+        r = teach[name]
+        lines.append(
+            f"| {name.replace('_', ' ')} | {r['max_batch']} | {r['elapsed_s']:.1f} | "
+            f"{r['answers_per_minute']:.2f} | {r['tokens_per_second']:.1f} |"
+        )
+    lines += [
+        "",
+        f"## 3. Bandit ({band['prompts']} held-out prompts, {band['max_new_tokens']} tokens, distilled "
+        f"draft; lossless: {'yes' if band['lossless'] else 'NO'})",
+        "",
+        "| policy | post-warm-up requests | tokens/s | best single arm (tokens/s) | ratio | chose best arm | arm counts |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in (("configured", band["configured"]), ("seed", band["seed"])):
+        best = r["single_arm_tokens_per_second_same_prompts"][str(r["best_single_arm"])]
+        lines.append(
+            f"| {name} (explore: {r['explore']}) | {r['post_warmup_requests']} | "
+            f"{r['post_warmup_tokens_per_second']:.2f} | arm {r['best_single_arm']} ({best:.2f}) | "
+            f"{r['ratio_to_best_arm']:.2f}x | {100 * r['share_choosing_best_arm']:.0f}% | "
+            f"{r['post_warmup_arm_counts']} |"
+        )
+    lines += ["", "The bench's full report and plots: `bench/report.md`.", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="configs/default.yaml")
+    ap.add_argument("--artifacts", default="artifacts")
+    ap.add_argument("--loop-prompts", type=int, default=8)
+    ap.add_argument("--loop-tokens", type=int, default=64)
+    ap.add_argument("--teacher-prompts", type=int, default=16)
+    ap.add_argument(
+        "--bench-prompts", type=int, default=None, help="default: every held-out prompt"
+    )
+    args = ap.parse_args()
+    cfg = load_config(args.config)
+    ws = Workspace(args.artifacts)
+    if not ws.test_file.exists() or not (ws.merged / "config.json").is_file():
+        sys.exit(
+            f"performance: needs a split and a distilled draft in {ws.root}: run make merge first"
+        )
+    perf = ws.root / "perf"
+    perf.mkdir(parents=True, exist_ok=True)
+    out = {"environment": environment(cfg, models.pick_device(cfg.models.device)), "goals": GOALS}
+    print("== 1. speculative-loop overhead", flush=True)
+    out["loop"] = part_loop(cfg, ws, args.loop_prompts, args.loop_tokens)
+    print("== 2. batching local teacher", flush=True)
+    out["teacher"] = part_teacher(args, cfg, perf)
+    print("== 3. bandit", flush=True)
+    out["bandit"] = part_bandit(args, cfg, ws, perf)
+    atomic_write_json(perf / "performance.json", out)
+    text = markdown(out)
+    atomic_write_text(perf / "performance.md", text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
