@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/performance.py [--config configs/default.yaml] [--artifacts artifacts]
         [--loop-prompts 8] [--loop-tokens 64] [--teacher-prompts 16] [--bench-prompts N]
+        [--parts loop teacher bandit]
     (or: make perf; needs `make merge` first: part 3 benches the distilled draft)
 
 1. Speculative-loop overhead: the target drafting for itself (every guess accepted), arms 2, 4
@@ -136,9 +137,9 @@ def part_bandit(args, cfg, ws: Workspace, perf: Path) -> dict:
 
 
 def markdown(p: dict) -> str:
-    env, loop, teach, band = p["environment"], p["loop"], p["teacher"], p["bandit"]
-    f4 = loop["runs"]["phoenix fixed_4 (self-draft)"]["ratio_to_target_only"]
-    b = band["configured"]
+    env = p["environment"]
+    loop, teach, band = p.get("loop"), p.get("teacher"), p.get("bandit")
+    met = lambda x, goal: "yes" if x >= goal else "no"  # noqa: E731
     lines = [
         "# Phoenix performance (issue 9)",
         "",
@@ -148,57 +149,76 @@ def markdown(p: dict) -> str:
         "",
         "| figure | measured | goal | met |",
         "|---|---|---|---|",
-        f"| 1. self-draft fixed_4 tokens/s / target-only | {f4:.2f}x | >= {GOALS['loop_fixed_4']:.2f}x "
-        f"| {'yes' if f4 >= GOALS['loop_fixed_4'] else 'no'} |",
-        f"| 2. local teacher answers/min, batched / one at a time | {teach['speedup']:.2f}x | "
-        f">= {GOALS['teacher_speedup']:.1f}x | {'yes' if teach['speedup'] >= GOALS['teacher_speedup'] else 'no'} |",
-        f"| 3. bandit ({b['explore']}) tokens/s / best single arm, post-warm-up | "
-        f"{b['ratio_to_best_arm']:.2f}x | >= {GOALS['bandit_ratio']:.2f}x | "
-        f"{'yes' if b['ratio_to_best_arm'] >= GOALS['bandit_ratio'] else 'no'} |",
-        "",
-        f"## 1. Speculative-loop overhead ({loop['prompts']} held-out prompts, {loop['max_new_tokens']} tokens, "
-        "the target drafting for itself: every guess accepted)",
-        "",
-        "| run | tokens/s | vs target-only | draft s/request | verify s/request |",
-        "|---|---|---|---|---|",
     ]
-    for name, r in loop["runs"].items():
+    if loop:
+        f4 = loop["runs"]["phoenix fixed_4 (self-draft)"]["ratio_to_target_only"]
+        goal = GOALS["loop_fixed_4"]
         lines.append(
-            f"| {name} | {r['tokens_per_second']:.2f} | {r['ratio_to_target_only']:.2f}x | "
-            f"{r['draft_s_per_request']:.2f} | {r['verify_s_per_request']:.2f} |"
+            f"| 1. self-draft fixed_4 tokens/s / target-only | {f4:.2f}x | >= {goal:.2f}x | "
+            f"{met(f4, goal)} |"
         )
-    lines += [
-        "",
-        f"## 2. Batching local teacher ({teach['batched']['answers']} training prompts, same prompts "
-        "both runs, start-up included)",
-        "",
-        "| run | max_batch | elapsed (s) | answers/min | tokens/s |",
-        "|---|---|---|---|---|",
-    ]
-    for name in ("one_at_a_time", "batched"):
-        r = teach[name]
+    if teach:
+        x, goal = teach["speedup"], GOALS["teacher_speedup"]
         lines.append(
-            f"| {name.replace('_', ' ')} | {r['max_batch']} | {r['elapsed_s']:.1f} | "
-            f"{r['answers_per_minute']:.2f} | {r['tokens_per_second']:.1f} |"
+            f"| 2. local teacher answers/min, batched / one at a time | {x:.2f}x | >= {goal:.1f}x "
+            f"| {met(x, goal)} |"
         )
-    lines += [
-        "",
-        f"## 3. Bandit ({band['prompts']} held-out prompts, {band['max_new_tokens']} tokens, distilled "
-        f"draft; lossless: {'yes' if band['lossless'] else 'NO'})",
-        "",
-        "| policy | post-warm-up requests | tokens/s | best single arm (tokens/s) | ratio | chose best arm | arm counts |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for name, r in (("configured", band["configured"]), ("seed", band["seed"])):
-        best = r["single_arm_tokens_per_second_same_prompts"][str(r["best_single_arm"])]
+    if band:
+        b, goal = band["configured"], GOALS["bandit_ratio"]
         lines.append(
-            f"| {name} (explore: {r['explore']}) | {r['post_warmup_requests']} | "
-            f"{r['post_warmup_tokens_per_second']:.2f} | arm {r['best_single_arm']} ({best:.2f}) | "
-            f"{r['ratio_to_best_arm']:.2f}x | {100 * r['share_choosing_best_arm']:.0f}% | "
-            f"{r['post_warmup_arm_counts']} |"
+            f"| 3. bandit (explore: {b['explore']}) tokens/s / best single arm, post-warm-up | "
+            f"{b['ratio_to_best_arm']:.2f}x | >= {goal:.2f}x | {met(b['ratio_to_best_arm'], goal)} |"
         )
-    lines += ["", "The bench's full report and plots: `bench/report.md`.", ""]
-    return "\n".join(lines)
+    if loop:
+        lines += [
+            "",
+            f"## 1. Speculative-loop overhead ({loop['prompts']} held-out prompts, "
+            f"{loop['max_new_tokens']} tokens, the target drafting for itself: every guess accepted)",
+            "",
+            "| run | tokens/s | vs target-only | draft s/request | verify s/request |",
+            "|---|---|---|---|---|",
+        ]
+        for name, r in loop["runs"].items():
+            lines.append(
+                f"| {name} | {r['tokens_per_second']:.2f} | {r['ratio_to_target_only']:.2f}x | "
+                f"{r['draft_s_per_request']:.2f} | {r['verify_s_per_request']:.2f} |"
+            )
+    if teach:
+        lines += [
+            "",
+            f"## 2. Batching local teacher ({teach['batched']['answers']} training prompts, the same "
+            "in both runs, start-up included)",
+            "",
+            "| run | max_batch | elapsed (s) | answers/min | tokens/s |",
+            "|---|---|---|---|---|",
+        ]
+        for name in ("one_at_a_time", "batched"):
+            r = teach[name]
+            lines.append(
+                f"| {name.replace('_', ' ')} | {r['max_batch']} | {r['elapsed_s']:.1f} | "
+                f"{r['answers_per_minute']:.2f} | {r['tokens_per_second']:.1f} |"
+            )
+    if band:
+        lines += [
+            "",
+            f"## 3. Bandit ({band['prompts']} held-out prompts, {band['max_new_tokens']} tokens, "
+            f"distilled draft; lossless: {'yes' if band['lossless'] else 'NO'})",
+            "",
+            "| policy | post-warm-up requests | tokens/s | best single arm (tokens/s) | ratio | "
+            "chose best arm | arm counts |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name in ("configured", "seed"):
+            r = band[name]
+            best = r["single_arm_tokens_per_second_same_prompts"][str(r["best_single_arm"])]
+            lines.append(
+                f"| {name} (explore: {r['explore']}) | {r['post_warmup_requests']} | "
+                f"{r['post_warmup_tokens_per_second']:.2f} | arm {r['best_single_arm']} "
+                f"({best:.2f}) | {r['ratio_to_best_arm']:.2f}x | "
+                f"{100 * r['share_choosing_best_arm']:.0f}% | {r['post_warmup_arm_counts']} |"
+            )
+        lines += ["", "The bench's full report and plots: `bench/report.md`."]
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -211,6 +231,13 @@ def main() -> None:
     ap.add_argument(
         "--bench-prompts", type=int, default=None, help="default: every held-out prompt"
     )
+    ap.add_argument(
+        "--parts",
+        nargs="+",
+        choices=["loop", "teacher", "bandit"],
+        default=["loop", "teacher", "bandit"],
+        help="measure only these (default: all three)",
+    )
     args = ap.parse_args()
     cfg = load_config(args.config)
     ws = Workspace(args.artifacts)
@@ -221,12 +248,15 @@ def main() -> None:
     perf = ws.root / "perf"
     perf.mkdir(parents=True, exist_ok=True)
     out = {"environment": environment(cfg, models.pick_device(cfg.models.device)), "goals": GOALS}
-    print("== 1. speculative-loop overhead", flush=True)
-    out["loop"] = part_loop(cfg, ws, args.loop_prompts, args.loop_tokens)
-    print("== 2. batching local teacher", flush=True)
-    out["teacher"] = part_teacher(args, cfg, perf)
-    print("== 3. bandit", flush=True)
-    out["bandit"] = part_bandit(args, cfg, ws, perf)
+    if "loop" in args.parts:
+        print("== 1. speculative-loop overhead", flush=True)
+        out["loop"] = part_loop(cfg, ws, args.loop_prompts, args.loop_tokens)
+    if "teacher" in args.parts:
+        print("== 2. batching local teacher", flush=True)
+        out["teacher"] = part_teacher(args, cfg, perf)
+    if "bandit" in args.parts:
+        print("== 3. bandit", flush=True)
+        out["bandit"] = part_bandit(args, cfg, ws, perf)
     atomic_write_json(perf / "performance.json", out)
     text = markdown(out)
     atomic_write_text(perf / "performance.md", text)

@@ -116,6 +116,36 @@ def test_batched_target_generation_equals_one_at_a_time(engines):
         assert b.token_ids == single.token_ids and b.finish_reason == single.finish_reason
 
 
+def test_rows_joining_a_running_batch_get_one_at_a_time_output(engines):
+    """Continuous batching: rows added between steps (shorter and longer prompts than the
+    running rows' cache) decode exactly as they would alone; finished rows leave at once."""
+    from pipeline.spec.engine import TargetBatch
+
+    tok, cut, _ = engines
+    first = [ids_for(tok, "hello"), ids_for(tok, PROMPTS[0])]
+    later = [ids_for(tok, "x"), ids_for(tok, PROMPTS[2] + " And explain it at length, please.")]
+    batch = TargetBatch(cut)
+    batch.add([("a", (first[0], 20)), ("b", (first[1], 3))])
+    done = {}
+    for _ in range(4):
+        done.update(batch.step())
+    assert list(done) == ["b"] and batch.active == 1  # b finished after 3 tokens and left
+    batch.add([("c", (later[0], 15)), ("d", (later[1], 25))])
+    assert batch.active == 3
+    while batch.active:
+        done.update(batch.step())
+    for key, (ids, n) in {
+        "a": (first[0], 20),
+        "b": (first[1], 3),
+        "c": (later[0], 15),
+        "d": (later[1], 25),
+    }.items():
+        single = cut.generate(ids, 0, n)
+        assert done[key].token_ids == single.token_ids, key
+        assert done[key].finish_reason == single.finish_reason
+    assert batch.step() == [] and batch.cache is None
+
+
 def test_skinny_linears_match_plain_linear_and_leave_training_alone():
     import torch
     import torch.nn.functional as F

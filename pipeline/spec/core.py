@@ -110,11 +110,14 @@ class CoreResult:
 
 
 class TargetBatcher:
-    """Gathers concurrent target-only requests and generates them as one padded batch.
+    """Gathers concurrent target-only requests and generates them as one padded batch that new
+    requests join as they arrive (continuous batching, `engine.TargetBatch`).
 
-    Callers block in `submit`; one worker thread takes the first waiting request, waits up to
-    `gather_s` for more (at most `max_batch`), then runs the batch under the core's lock (so it
-    never overlaps a speculative request)."""
+    Callers block in `submit`. One worker thread takes the first waiting request, waits up to
+    `gather_s` for more (at most `max_batch`), and steps the batch one token at a time; before
+    each step it lets waiting requests join (up to `max_batch` rows), and each caller is released
+    as soon as its own row finishes. Each step (and each join's prefill) runs under the core's
+    lock, so it never overlaps a speculative request."""
 
     def __init__(
         self, engine: SpecEngine, lock: threading.Lock, max_batch: int, gather_s: float = 0.02
@@ -126,7 +129,9 @@ class TargetBatcher:
         self.max_batch = max_batch
         self.gather_s = gather_s
         self.queue: queue.Queue = queue.Queue()
-        self.batch_sizes: list[int] = []
+        self.steps = 0  # batch steps run
+        self.max_rows = 0  # the most rows one step carried
+        self.joined = 0  # requests that joined a batch already running
         threading.Thread(target=self._work, name="phoenix-batcher", daemon=True).start()
 
     def submit(self, prompt_ids: list[int], max_tokens: int) -> GenerationResult:
@@ -138,31 +143,55 @@ class TargetBatcher:
             raise slot["error"]
         return slot["result"]
 
-    def _work(self) -> None:
+    def _take(self, room: int, block: bool) -> list[dict]:
         import queue
         import time
 
-        while True:
-            batch = [self.queue.get()]
+        slots: list[dict] = []
+        if block:
+            slots.append(self.queue.get())
             deadline = time.monotonic() + self.gather_s
-            while len(batch) < self.max_batch:
+            while len(slots) < room:
                 try:
-                    batch.append(self.queue.get(timeout=max(0.0, deadline - time.monotonic())))
+                    slots.append(self.queue.get(timeout=max(0.0, deadline - time.monotonic())))
                 except queue.Empty:
                     break
+        while len(slots) < room:
+            try:
+                slots.append(self.queue.get_nowait())
+            except queue.Empty:
+                break
+        return slots
+
+    def _work(self) -> None:
+        from .engine import TargetBatch
+
+        batch = TargetBatch(self.engine)
+        while True:
+            running = batch.active > 0
+            new = (
+                self._take(self.max_batch - batch.active, block=not running)
+                if batch.joinable
+                else []
+            )
+            slots = [row["key"] for row in batch.rows] + new
             try:
                 with self.lock:
-                    results = self.engine.generate_batch(
-                        [b["prompt"] for b in batch], [b["max"] for b in batch]
-                    )
-                self.batch_sizes.append(len(batch))
-                for b, r in zip(batch, results, strict=True):
-                    b["result"] = r
-            except Exception as exc:  # every waiting caller hears of it
-                for b in batch:
-                    b["error"] = exc
-            for b in batch:
-                b["done"].set()
+                    batch.add([(slot, (slot["prompt"], slot["max"])) for slot in new])
+                    if running:
+                        self.joined += len(new)
+                    self.steps += 1
+                    self.max_rows = max(self.max_rows, batch.active)
+                    finished = batch.step()
+            except Exception as exc:  # every caller in the batch hears of it
+                for slot in slots:
+                    slot["error"] = exc
+                    slot["done"].set()
+                batch = TargetBatch(self.engine)
+                continue
+            for slot, result in finished:
+                slot["result"] = result
+                slot["done"].set()
 
 
 class ServingCore:

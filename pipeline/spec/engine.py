@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 # CPU only: a linear layer over 2..SKINNY_MAX_ROWS rows (a verify pass, a draft's catch-up, a
 # nearly drained teacher batch) runs as `W @ x.T`. MKL's sgemm for `x @ W.T` at 2-8 rows took
@@ -229,73 +230,150 @@ class SpecEngine:
             accepted_per_position=accepted_pos,
         )
 
-    @torch.inference_mode()
     def generate_batch(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]
     ) -> list[GenerationResult]:
-        """Target-only greedy generation of several prompts as one left-padded batch (the
-        batching local teacher). Rows that finish leave the batch at once, so the remaining ones
-        do not pay for them (on a CPU each step costs about in proportion to its rows). Each
-        result carries the batch's wall time as its latency."""
-        start = time.perf_counter()
-        dev = self.device
+        """Target-only greedy generation of several prompts as one left-padded batch (see
+        `TargetBatch`); results in prompt order."""
+        batch = TargetBatch(self)
+        batch.add(list(enumerate(zip(prompts, max_new_tokens, strict=True))))
+        done: dict = {}
+        while batch.active:
+            done.update(batch.step())
+        return [done[i] for i in range(len(prompts))]
+
+
+class TargetBatch:
+    """Target-only greedy decoding of a changing set of rows: the batching local teacher.
+
+    `add` prefills new rows (left-padded) and merges them into the running batch at a step
+    boundary; `step` commits one token per row and returns the rows that finished, which leave
+    the batch at once (on a CPU a step costs about in proportion to its rows). So requests that
+    arrive while a batch runs join it instead of waiting for its longest answer. Invariant between
+    calls: `mask` is as wide as the cache, and `logits` holds each row's next-token scores."""
+
+    def __init__(self, engine: SpecEngine):
+        self.engine = engine
+        self.model = engine.target
+        self.cache: DynamicCache | None = None
+        self.mask: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None
+        self.rows: list[dict] = []  # key, out, max, prompt_tokens, start
+
+    @property
+    def active(self) -> int:
+        return len(self.rows)
+
+    @property
+    def joinable(self) -> bool:
+        """Whether rows can join now: an empty batch, or plain growing caches (a sliding-window
+        cache could not be left-padded)."""
+        return self.cache is None or all(type(x) is DynamicLayer for x in self.cache.layers)
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache):
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1]
+
+    @torch.inference_mode()
+    def add(self, items: Sequence[tuple[object, tuple[Sequence[int], int]]]) -> None:
+        """Add rows `(key, (prompt_ids, max_new_tokens))`; keys come back from `step`."""
+        if not items:
+            return
+        dev = self.engine.device
+        now = time.perf_counter()
+        prompts = [list(p) for _, (p, _) in items]
+        if any(not p for p in prompts) or any(n < 1 for _, (_, n) in items):
+            raise ValueError("every row needs a non-empty prompt and max_new_tokens >= 1")
         width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        ids = torch.full((len(prompts), width), self.engine.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(list(p))
+            ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
         ids, mask = ids.to(dev), mask.to(dev)
-        cache = DynamicCache(config=self.target.config)
-
-        def last_logits(inp: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-            out = self.target(
-                input_ids=inp,
-                attention_mask=mask,
-                position_ids=pos,
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            return out.logits[:, -1]
-
-        logits = last_logits(ids, (mask.cumsum(-1) - 1).clamp(min=0))
-        outs: list[list[int]] = [[] for _ in prompts]
-        finish = ["length"] * len(prompts)
-        active = list(range(len(prompts)))  # original index of each row still in the batch
-        while True:
-            nxt = logits.argmax(-1).tolist()
-            keep = []
-            for row, orig in enumerate(active):
-                if nxt[row] in self.eos_token_ids:
-                    finish[orig] = "stop"
-                    continue
-                outs[orig].append(nxt[row])
-                if len(outs[orig]) < max_new_tokens[orig]:
-                    keep.append(row)
-            if not keep:
-                break
-            if len(keep) < len(active):
-                sel = torch.tensor(keep, device=dev)
-                cache.batch_select_indices(sel)
-                mask = mask[sel]
-                active = [active[r] for r in keep]
-            step = torch.tensor([[nxt[r]] for r in keep], dtype=torch.long, device=dev)
-            mask = torch.cat(
-                [mask, torch.ones((len(keep), 1), dtype=mask.dtype, device=dev)], dim=1
-            )
-            logits = last_logits(step, mask.sum(-1, keepdim=True) - 1)
-        elapsed = time.perf_counter() - start
-        return [
-            GenerationResult(
-                token_ids=o,
-                arm=0,
-                finish_reason=f,
-                latency_s=elapsed,
-                draft_s=0.0,
-                verify_s=elapsed,
-                prompt_tokens=len(p),
-                rounds=len(o),
-            )
-            for o, f, p in zip(outs, finish, prompts, strict=True)
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache)
+        rows = [
+            {"key": key, "out": [], "max": n, "prompt_tokens": len(p), "start": now}
+            for (key, (p, n)) in items
         ]
+        if self.cache is None or not self.rows:
+            self.cache, self.mask, self.logits, self.rows = cache, mask, logits, rows
+            return
+        if not self.joinable:
+            raise ValueError("this model's cache cannot take rows into a running batch")
+        width = max(self.mask.shape[1], mask.shape[1])
+        self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(mask, width)])
+        for old, new in zip(self.cache.layers, cache.layers, strict=True):
+            old.keys = torch.cat([_left_pad(old.keys, width), _left_pad(new.keys, width)])
+            old.values = torch.cat([_left_pad(old.values, width), _left_pad(new.values, width)])
+        self.logits = torch.cat([self.logits, logits])
+        self.rows += rows
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[object, GenerationResult]]:
+        """Commit one token to every row; returns `(key, result)` for the rows that finished."""
+        if not self.rows:
+            return []
+        eos = self.engine.eos_token_ids
+        nxt = self.logits.argmax(-1).tolist()
+        keep, finished = [], []
+        for i, row in enumerate(self.rows):
+            if nxt[i] in eos:
+                finished.append((row, "stop"))
+                continue
+            row["out"].append(nxt[i])
+            if len(row["out"]) < row["max"]:
+                keep.append(i)
+            else:
+                finished.append((row, "length"))
+        now = time.perf_counter()
+        results = [
+            (
+                row["key"],
+                GenerationResult(
+                    token_ids=row["out"],
+                    arm=0,
+                    finish_reason=reason,
+                    latency_s=now - row["start"],
+                    draft_s=0.0,
+                    verify_s=now - row["start"],
+                    prompt_tokens=row["prompt_tokens"],
+                    rounds=len(row["out"]),
+                ),
+            )
+            for row, reason in finished
+        ]
+        if len(keep) < len(self.rows):
+            self.rows = [self.rows[i] for i in keep]
+            if not keep:
+                self.cache = self.mask = self.logits = None
+                return results
+            sel = torch.tensor(keep, device=self.engine.device)
+            self.cache.batch_select_indices(sel)
+            self.mask = self.mask[sel]
+        dev = self.engine.device
+        step = torch.tensor([[nxt[i]] for i in keep], dtype=torch.long, device=dev)
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(keep), 1))], dim=1)
+        self.logits = self._forward(
+            step, self.mask, self.mask.sum(-1, keepdim=True) - 1, self.cache
+        )
+        return results
+
+
+def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad dim 1 (a mask) or dim -2 (cached keys/values) on the left to `width`."""
+    dim = 1 if t.dim() == 2 else -2
+    extra = width - t.shape[dim]
+    if extra <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = extra
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
