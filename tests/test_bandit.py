@@ -116,3 +116,22 @@ def test_variance_survives_a_restart(tmp_path):
     c = make(explore="plausible")
     load_bandit(c, tmp_path / "s.json")
     assert c.m2 == b.m2 and c.candidates() == b.candidates()
+
+
+def test_replay_of_measured_arms_scores_policies_like_the_bench():
+    """benchmarks/bandit_replay.py: arm 0 is always twice as fast as any drafting arm."""
+    import sys
+
+    from tests.conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bandit_replay import replay
+
+    arms = [0, 2, 4, 6, 8]
+    table = {a: {i: (1.0 if a == 0 else 2.0, 10) for i in range(50)} for a in arms}
+    # Rewards without noise: the plausible policy never explores a slower arm after warm-up.
+    assert replay(table, arms, "plausible", seed=0) == (1.0, 1.0)
+    uniform = [replay(table, arms, "uniform", seed=s) for s in range(10)]
+    assert all(0.5 <= r < 1.0 and share < 1.0 for r, share in uniform)
+    even = {a: {i: (1.0, 10) for i in range(50)} for a in arms}
+    assert replay(even, arms, "uniform", seed=0)[0] == 1.0
