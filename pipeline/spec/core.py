@@ -174,6 +174,10 @@ class TargetBatcher:
                 if batch.joinable
                 else []
             )
+            for slot in [x for x in new if not x["prompt"] or x["max"] < 1]:
+                new.remove(slot)  # refused alone: a bad request must not fail the batch
+                slot["error"] = ValueError("a request needs a prompt and max_tokens >= 1")
+                slot["done"].set()
             slots = [row["key"] for row in batch.rows] + new
             try:
                 with self.lock:
