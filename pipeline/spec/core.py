@@ -129,12 +129,13 @@ class TargetBatcher:
         self.max_batch = max_batch
         self.gather_s = gather_s
         self.queue: queue.Queue = queue.Queue()
-        self.steps = 0  # batch steps run
         self.max_rows = 0  # the most rows one step carried
-        self.joined = 0  # requests that joined a batch already running
         threading.Thread(target=self._work, name="phoenix-batcher", daemon=True).start()
 
     def submit(self, prompt_ids: list[int], max_tokens: int) -> GenerationResult:
+        from .engine import TargetBatch
+
+        TargetBatch.check_row(prompt_ids, max_tokens)  # refused alone, never failing a batch
         done = threading.Event()
         slot: dict = {"prompt": prompt_ids, "max": max_tokens, "done": done}
         self.queue.put(slot)
@@ -168,23 +169,15 @@ class TargetBatcher:
 
         batch = TargetBatch(self.engine)
         while True:
-            running = batch.active > 0
             new = (
-                self._take(self.max_batch - batch.active, block=not running)
+                self._take(self.max_batch - batch.active, block=not batch.active)
                 if batch.joinable
                 else []
             )
-            for slot in [x for x in new if not x["prompt"] or x["max"] < 1]:
-                new.remove(slot)  # refused alone: a bad request must not fail the batch
-                slot["error"] = ValueError("a request needs a prompt and max_tokens >= 1")
-                slot["done"].set()
             slots = [row["key"] for row in batch.rows] + new
             try:
                 with self.lock:
                     batch.add([(slot, (slot["prompt"], slot["max"])) for slot in new])
-                    if running:
-                        self.joined += len(new)
-                    self.steps += 1
                     self.max_rows = max(self.max_rows, batch.active)
                     finished = batch.step()
             except Exception as exc:  # every caller in the batch hears of it

@@ -71,7 +71,7 @@ class GenerationResult:
 
 
 def _skinny_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    rows = x.numel() // x.shape[-1] if x.dim() else 0
+    rows = x.numel() // x.shape[-1]
     if 2 <= rows <= SKINNY_MAX_ROWS and not torch.is_grad_enabled():
         y = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t()
         if self.bias is not None:
@@ -264,6 +264,11 @@ class TargetBatch:
     def active(self) -> int:
         return len(self.rows)
 
+    @staticmethod
+    def check_row(prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+        if not prompt_ids or max_new_tokens < 1:
+            raise ValueError("a row needs a non-empty prompt and max_new_tokens >= 1")
+
     @property
     def joinable(self) -> bool:
         """Whether rows can join now: an empty batch, or plain growing caches (a sliding-window
@@ -286,11 +291,11 @@ class TargetBatch:
         """Add rows `(key, (prompt_ids, max_new_tokens))`; keys come back from `step`."""
         if not items:
             return
+        for _, (p, n) in items:
+            self.check_row(p, n)
         dev = self.engine.device
         now = time.perf_counter()
         prompts = [list(p) for _, (p, _) in items]
-        if any(not p for p in prompts) or any(n < 1 for _, (_, n) in items):
-            raise ValueError("every row needs a non-empty prompt and max_new_tokens >= 1")
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.engine.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -304,7 +309,7 @@ class TargetBatch:
             {"key": key, "out": [], "max": n, "prompt_tokens": len(p), "start": now}
             for (key, (p, n)) in items
         ]
-        if self.cache is None or not self.rows:
+        if not self.rows:
             self.cache, self.mask, self.logits, self.rows = cache, mask, logits, rows
             return
         if not self.joinable:
@@ -351,15 +356,15 @@ class TargetBatch:
             )
             for row, reason in finished
         ]
+        dev = self.engine.device
         if len(keep) < len(self.rows):
             self.rows = [self.rows[i] for i in keep]
             if not keep:
                 self.cache = self.mask = self.logits = None
                 return results
-            sel = torch.tensor(keep, device=self.engine.device)
+            sel = torch.tensor(keep, device=dev)
             self.cache.batch_select_indices(sel)
             self.mask = self.mask[sel]
-        dev = self.engine.device
         step = torch.tensor([[nxt[i]] for i in keep], dtype=torch.long, device=dev)
         self.mask = torch.cat([self.mask, self.mask.new_ones((len(keep), 1))], dim=1)
         self.logits = self._forward(
