@@ -2,7 +2,8 @@
 
     python -m pipeline <stage> --config FILE [--artifacts DIR] [--set key.path=value ...]
 
-Stages: split, distill, serve, demo. Exit codes are in errors.py and the README.
+Stages: split, distill, train, merge, bench, retrain, serve, demo. Exit codes are in errors.py
+and the README. Every stage but serve holds <artifacts>/phoenix.lock while it runs.
 """
 
 from __future__ import annotations
@@ -69,9 +70,10 @@ def run_stage(stage: str, cfg: Config, ws: Workspace, args: argparse.Namespace, 
     config beside its outputs (only on success, so a failed run never relabels the outputs of
     an earlier good one)."""
     if stage == "demo":
-        for s in DEMO_STAGES:
-            log.info("=== demo: %s ===", s)
-            run_stage(s, cfg, ws, args, telemetry)
+        with ws.lock("demo"):
+            for s in DEMO_STAGES:
+                log.info("=== demo: %s ===", s)
+                run_stage(s, cfg, ws, args, telemetry)
         return
     text = dump_config(cfg)
     log.info("%s: resolved config:\n%s", stage, text.rstrip())
@@ -85,7 +87,7 @@ def run_stage(stage: str, cfg: Config, ws: Workspace, args: argparse.Namespace, 
 
         server.serve(cfg, ws, args.host, args.port, args.mode)
         return
-    with telemetry.stage(stage) as figures:
+    with ws.lock(stage), telemetry.stage(stage) as figures:
         if stage == "split":
             from . import split
 
@@ -116,6 +118,31 @@ def run_stage(stage: str, cfg: Config, ws: Workspace, args: argparse.Namespace, 
                 atomic_write_text(ws.bench / "config.yaml", text)
 
 
+def what_was_kept(stage: str, ws: Workspace) -> str:
+    """After a stage failed for lack of space: the file it was writing, what survives, and how a
+    rerun picks up."""
+    if stage == "distill":
+        path = ws.answers_file
+        n = path.read_bytes().count(b"\n") if path.exists() else 0
+        return f"{path} keeps the {n} answers written so far; a rerun asks only for the rest"
+    if stage == "train":
+        from .train import last_complete_checkpoint
+
+        ckpts = ws.adapter / "checkpoints"
+        last = last_complete_checkpoint(ckpts)
+        kept = (
+            f"{last} is kept and a rerun resumes from it"
+            if last
+            else "no checkpoint was complete yet"
+        )
+        return f"writing {ckpts}: {kept} (an incomplete checkpoint is discarded)"
+    if stage == "merge":
+        return f"{ws.merged} and the registry are as they were before this merge"
+    if stage == "retrain":
+        return "the run's finished stages are kept (runs/<id>/manifests); a rerun resumes at the failed one"
+    return f"files under {ws.root} are replaced whole or not at all: earlier outputs are unchanged"
+
+
 def _interrupt(_signum, _frame) -> None:
     raise KeyboardInterrupt
 
@@ -135,9 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     for noisy in ("httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    ws = Workspace(args.artifacts, cache=args.cache)
     try:
         cfg = load_config(args.config, args.overrides)
-        ws = Workspace(args.artifacts, cache=args.cache)
         telemetry = (
             NullTelemetry()
             if args.stage == "serve"
@@ -151,6 +178,18 @@ def main(argv: list[str] | None = None) -> int:
     except errors.PhoenixError as exc:
         log.error("%s", exc)
         return exc.exit_code
+    except Exception as exc:
+        if not errors.is_disk_full(exc, ws.root):
+            raise
+        log.error(
+            "%s: disk full under %s (%s); %s. Free space, then rerun %s.",
+            args.stage,
+            ws.root,
+            exc.__class__.__name__,
+            what_was_kept(args.stage, ws),
+            args.stage,
+        )
+        return errors.EXIT_FAILURE
     except KeyboardInterrupt:
         log.error("interrupted")
         return errors.EXIT_INTERRUPTED

@@ -105,6 +105,17 @@ class ServerConfig(Section):
     )
     api_key_env: str = Field("PHOENIX_API_KEY", description="Env var; when set, bearer auth.")
     max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens accepted.")
+    shutdown_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="On SIGTERM/Ctrl-C: how long running requests may finish before they are "
+        "cancelled.",
+    )
+    stuck_after_s: float = Field(
+        60.0,
+        gt=0,
+        description="/health answers 503 once generation has made no progress for this long.",
+    )
 
 
 class BenchConfig(Section):

@@ -1,5 +1,9 @@
 """Errors that the command line maps to documented exit codes."""
 
+import errno
+import shutil
+from pathlib import Path
+
 # Exit codes (documented in the README; schedulers rely on them).
 EXIT_OK = 0
 EXIT_FAILURE = 1  # anything unexpected: a bug or an environment problem
@@ -39,3 +43,25 @@ class GateRejected(PhoenixError):
 
 class LockHeld(PhoenixError):
     exit_code = EXIT_LOCK_HELD
+
+
+def is_disk_full(exc: BaseException, path: Path) -> bool:
+    """Whether `exc` (or an error it was raised from) is the filesystem under `path` running out
+    of space. Some writers (torch.save, safetensors) say only "write failed"; then a volume with
+    almost nothing left is taken as the cause."""
+    seen: set[int] = set()
+    chain = exc
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        if isinstance(chain, OSError) and chain.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(chain):
+            return True
+        chain = chain.__cause__ or chain.__context__
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return shutil.disk_usage(probe).free < 1 << 20
+    except OSError:
+        return False

@@ -6,10 +6,10 @@ Each run lives in <artifacts>/runs/<run_id>/ (UTC timestamp id) with the layout 
 single-stage workspace. A stage records a manifest of its inputs (file hashes, resolved config)
 and outputs; a stage whose manifest still matches is skipped, so rerunning a finished run does
 nothing and rerunning a crashed one resumes at the stage that failed. Without --resume the
-latest unfinished run is resumed, or a new run starts. One job at a time (<artifacts>/retrain.lock;
-a stale lock from a dead process is cleared). The new draft is published and becomes
-<artifacts>/current only if its bench was lossless and its held-out acceptance beats the
-promoted draft's (first run: the base draft's) by `retrain.min_gain`.
+latest unfinished run is resumed, or a new run starts. One job at a time: <artifacts>/phoenix.lock,
+the lock every stage takes (a stale lock from a dead process is cleared). The new draft is
+published and becomes <artifacts>/current only if its bench was lossless and its held-out
+acceptance beats the promoted draft's (first run: the base draft's) by `retrain.min_gain`.
 
 Exit codes for schedulers: 0 promoted (or nothing to do), 2 bad config or input, 3 teacher
 unavailable (retry later), 4 lossless check failed, 5 gate rejected, 6 lock held.
@@ -17,18 +17,15 @@ unavailable (retry later), 4 lossless check failed, 5 gate rejected, 6 lock held
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from .config import Config
-from .errors import GateRejected, InputError, LockHeld
+from .errors import GateRejected, InputError
 from .workspace import Workspace, atomic_write_json, sha256_file
 
 log = logging.getLogger(__name__)
@@ -92,55 +89,6 @@ def stage_is_current(stage: str, cfg: Config, ws: Workspace) -> bool:
     return saved == now and all(v is not None for v in now["outputs"].values())
 
 
-# --- the lock --------------------------------------------------------------------------------
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-@contextlib.contextmanager
-def retrain_lock(path: Path, run_id: str) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    me = {
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "run_id": run_id,
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    for _ in range(3):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                holder = json.loads(path.read_text())
-            except (OSError, ValueError):
-                holder = {}
-            same_host = holder.get("host") == me["host"]
-            if holder and (not same_host or _alive(int(holder.get("pid", -1)))):
-                raise LockHeld(
-                    f"another retrain holds {path}: pid {holder.get('pid')} on {holder.get('host')}, "
-                    f"run {holder.get('run_id')}, since {holder.get('started')}"
-                ) from None
-            log.warning(
-                "clearing a stale retrain lock %s (holder %s is gone)", path, holder or "unreadable"
-            )
-            path.unlink(missing_ok=True)
-            continue
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-        try:
-            yield
-        finally:
-            path.unlink(missing_ok=True)
-        return
-    raise LockHeld(f"could not take the retrain lock {path}")
-
-
 # --- the job ---------------------------------------------------------------------------------
 def pick_run(root: Path, resume: str | None) -> tuple[str, bool]:
     runs = root / "runs"
@@ -174,7 +122,7 @@ def run(cfg: Config, root: Path, telemetry, resume: str | None = None) -> dict[s
 
     root = Path(root)
     run_id, resuming = pick_run(root, resume)
-    with retrain_lock(root / "retrain.lock", run_id):
+    with Workspace(root).lock("retrain", run_id):
         ws = Workspace(root / "runs" / run_id, cache=root / "cache")
         info_file = ws.root / "run.json"
         info = (

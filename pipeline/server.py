@@ -3,15 +3,20 @@
     python -m pipeline serve --config configs/default.yaml [--host H] [--port P]
                              [--mode target|fixed:K|bandit]          (or: make serve)
 
-GET /health (503 while loading, 200 when ready), GET /v1/models, POST /v1/chat/completions,
-POST /v1/completions (streaming with `stream: true`). Generation is serialised per model pair
-behind a bounded queue: a full queue answers 429. Bad input always gets a 4xx with an
-OpenAI-style error body, never a 500.
+GET /health (503 while loading, shutting down or stuck; 200 when ready), GET /v1/models,
+POST /v1/chat/completions, POST /v1/completions (streaming with `stream: true`). Generation is
+serialised per model pair by the serving core, behind a bounded admission: a full server answers
+429. Bad input always gets a 4xx with an OpenAI-style error body, never a 500.
+
+Every admitted request is a `Job`: its own generation thread, which hands the admission slot
+back when generation ends, whatever the client does. A client that leaves sets the job's
+`cancel`, and the engine stops after its current round.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -20,14 +25,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .spec.core import CoreResult, ModeError, ServingCore
+from .spec.core import Cancelled, CoreResult, ModeError, ServingCore
 
 log = logging.getLogger(__name__)
 
@@ -140,22 +145,365 @@ def _validation_error(exc: ValidationError) -> APIError:
     return bad_request(f"{param}: {err['msg']}" if param else err["msg"], param)
 
 
-class Gate:
-    """Bounded admission: at most `size` requests waiting or running, one generating at a time."""
+class Admission:
+    """At most `size` requests admitted (waiting for the models or generating). Thread-safe:
+    a slot is taken on the event loop and handed back by the request's generation thread."""
 
     def __init__(self, size: int):
         self.size = size
-        self.admitted = 0
-        self.turn = asyncio.Lock()
+        self.count = 0
+        self._lock = threading.Lock()
 
-    def try_admit(self) -> bool:
-        if self.admitted >= self.size:
-            return False
-        self.admitted += 1
-        return True
+    def try_enter(self) -> bool:
+        with self._lock:
+            if self.count >= self.size:
+                return False
+            self.count += 1
+            return True
 
     def leave(self) -> None:
-        self.admitted -= 1
+        with self._lock:
+            self.count -= 1
+
+
+@dataclass
+class ServerState:
+    """Everything the handlers share: `app.state.phoenix`."""
+
+    telemetry: Any
+    admission: Admission
+    api_key: str | None
+    max_tokens_limit: int
+    stuck_after_s: float
+    shutdown_timeout_s: float
+    core: ServingCore | None = None
+    error: str | None = None
+    closing: bool = False  # shutting down: admit nothing new
+    jobs: set[Job] = field(default_factory=set)
+    jobs_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Job:
+    """One admitted request's generation, on a daemon thread of its own.
+
+    The thread owns the request's admission slot and hands it back when generation ends,
+    whatever the client does: gone before the first byte, gone mid-stream, or never reading.
+    `cancel` (client gone, shutdown) stops the engine after its current round. Streamed text
+    goes to an unbounded queue (its size bounded by max_tokens), so the thread never blocks on
+    a reader that is not there."""
+
+    def __init__(self, st: ServerState, loop, work: Callable, streaming: bool):
+        self.st = st
+        self.loop = loop
+        self.work = work  # work(on_text, cancel) -> CoreResult
+        self.cancel = threading.Event()
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.pieces: asyncio.Queue | None = asyncio.Queue() if streaming else None
+        self.watcher: asyncio.Task | None = None
+        self.thread = threading.Thread(target=self._run, name="phoenix-gen", daemon=True)
+
+    def start(self, request: Request) -> None:
+        """Start generating (the slot is already taken) and watch for the client leaving."""
+        with self.st.jobs_lock:
+            self.st.jobs.add(self)
+        try:
+            self.thread.start()
+        except BaseException:
+            self._release()
+            raise
+        self.watcher = asyncio.ensure_future(_watch_disconnect(request, self))
+
+    def stop(self) -> None:
+        """The caller is done with this job, however it ended: stop generating if still running."""
+        if not self.future.done():
+            self.cancel.set()
+        if self.watcher is not None:
+            self.watcher.cancel()
+
+    def _run(self) -> None:
+        self.future.set_running_or_notify_cancel()
+        on_text = self._push if self.pieces is not None else None
+        try:
+            self.future.set_result(self.work(on_text, self.cancel))
+        except BaseException as exc:
+            self.future.set_exception(exc)
+        finally:
+            self._release()
+            if self.pieces is not None:
+                self._push(None)  # end of stream, after the result is set
+
+    def _push(self, piece: str | None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.pieces.put_nowait, piece)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody will read
+            self.cancel.set()
+
+    def _release(self) -> None:
+        with self.st.jobs_lock:
+            if self not in self.st.jobs:
+                return
+            self.st.jobs.discard(self)
+        self.st.admission.leave()
+
+
+async def _watch_disconnect(request: Request, job: Job, poll_s: float = 0.1) -> None:
+    """Cancel the job when its client goes away (before the first byte or mid-stream)."""
+    while not job.future.done():
+        if await request.is_disconnected():
+            job.cancel.set()
+            return
+        await asyncio.sleep(poll_s)
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.phoenix
+
+
+def _ready_core(st: ServerState) -> ServingCore:
+    if st.core is None:
+        raise APIError(
+            503, st.error or "models are loading", "server_error", None, "model_not_ready"
+        )
+    return st.core
+
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request):
+    """200 when ready and generating normally; 503 while loading, after a load failure, while
+    shutting down, or when generation has made no progress for `server.stuck_after_s`."""
+    st = _state(request)
+    if st.closing:
+        return JSONResponse({"status": "shutting_down"}, status_code=503)
+    if st.core is None:
+        return JSONResponse(
+            {"status": "error" if st.error else "loading", "detail": st.error}, status_code=503
+        )
+    stalled = st.core.heartbeat.stalled_s()
+    figures = {"admitted": st.admission.count, "generating": len(st.jobs)}
+    if stalled > st.stuck_after_s:
+        detail = f"generation has made no progress for {stalled:.0f} s"
+        return JSONResponse({"status": "stuck", "detail": detail, **figures}, status_code=503)
+    return {"status": "ok", **figures}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request):
+    core = _ready_core(_state(request))
+    return {
+        "object": "list",
+        "data": [{"id": core.model_id, "object": "model", "created": 0, "owned_by": "phoenix"}],
+    }
+
+
+@router.post("/v1/chat/completions")
+async def chat(request: Request):
+    core = _ready_core(_state(request))
+    req = await _parse(request, ChatRequest)
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    if not any(m["content"].strip() for m in messages):
+        raise bad_request("messages are all empty", "messages")
+    try:
+        prompt_ids = core.chat_prompt_ids(messages, req.chat_template_kwargs)
+    except Exception as exc:  # a template that rejects this conversation
+        raise bad_request(
+            f"chat template could not render the messages: {exc}", "messages"
+        ) from None
+    return await _complete(request, req, prompt_ids, "chat")
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    core = _ready_core(_state(request))
+    req = await _parse(request, CompletionRequest)
+    return await _complete(request, req, core.text_prompt_ids(req.prompt), "text")
+
+
+async def _parse(request: Request, schema):
+    try:
+        raw = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise bad_request("request body is not valid JSON") from None
+    if not isinstance(raw, dict):
+        raise bad_request("request body must be a JSON object")
+    try:
+        return schema.model_validate(raw)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+def _check(st: ServerState, core: ServingCore, req: CommonRequest, prompt_ids: list[int]):
+    """(max_tokens, mode) of a valid request; a 4xx APIError naming the problem otherwise."""
+    if req.model != core.model_id:
+        raise APIError(
+            404,
+            f"model '{req.model}' is not served here; it serves '{core.model_id}'",
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )
+    if req.temperature not in (None, 0.0):
+        raise bad_request(
+            "Phoenix serves greedy decoding only: temperature must be 0 or absent", "temperature"
+        )
+    max_tokens = req.max_completion_tokens or req.max_tokens or 256
+    if max_tokens > st.max_tokens_limit:
+        raise bad_request(
+            f"max_tokens {max_tokens} exceeds this server's limit of {st.max_tokens_limit}",
+            "max_tokens",
+        )
+    ctx = core.max_context
+    if ctx is not None and len(prompt_ids) + max_tokens > ctx:
+        raise bad_request(
+            f"this model's maximum context length is {ctx} tokens; the prompt has "
+            f"{len(prompt_ids)} and max_tokens asks for {max_tokens}",
+            "messages",
+            "context_length_exceeded",
+        )
+    try:
+        mode = core.mode(req.phoenix.mode if req.phoenix else None)
+    except ModeError as exc:
+        raise bad_request(str(exc), "phoenix.mode") from None
+    return max_tokens, mode
+
+
+async def _complete(request: Request, req: CommonRequest, prompt_ids: list[int], kind: str):
+    st = _state(request)
+    core = _ready_core(st)
+    max_tokens, mode = _check(st, core, req, prompt_ids)
+    if st.closing:
+        raise APIError(503, "server is shutting down", "server_error", None, "shutting_down")
+    if not st.admission.try_enter():
+        raise APIError(
+            429,
+            f"server busy: {st.admission.size} requests queued or running; retry later",
+            "rate_limit_error",
+            None,
+            "queue_full",
+            headers={"Retry-After": "1"},
+        )
+
+    def work(on_text, cancel) -> CoreResult:
+        return st.telemetry.request(core, prompt_ids, max_tokens, mode, req.stop, on_text, cancel)
+
+    job = Job(st, asyncio.get_running_loop(), work, streaming=req.stream)
+    job.start(request)
+    reply = Reply(core.model_id, kind, len(prompt_ids))
+    if req.stream:
+        include_usage = bool((req.stream_options or {}).get("include_usage"))
+        return StreamingResponse(
+            _stream(job, reply, include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+    try:
+        res = await asyncio.wrap_future(job.future)
+    except Cancelled:
+        raise APIError(499, "client disconnected", "invalid_request_error") from None
+    finally:
+        job.stop()
+    return reply.body(res)
+
+
+async def _stream(job: Job, reply: Reply, include_usage: bool):
+    """The SSE body. However it ends (finished, client gone, server cancelled), `job.stop()`."""
+    try:
+        if reply.kind == "chat":
+            yield reply.chunk(None, None, role=True)
+        while (piece := await job.pieces.get()) is not None:
+            yield reply.chunk(piece, None)
+        try:
+            res = job.future.result()
+        except Cancelled:
+            return
+        except Exception as exc:
+            log.exception("generation failed mid-stream")
+            yield reply.sse(
+                {
+                    "error": {
+                        "message": f"generation failed: {exc}",
+                        "type": "server_error",
+                        "param": None,
+                        "code": None,
+                    }
+                }
+            )
+            return
+        yield reply.chunk(None, res.finish_reason)
+        if include_usage:
+            yield reply.sse(
+                reply.envelope([], usage=usage_of(res, reply.n_prompt), phoenix=phoenix_of(res))
+            )
+        yield "data: [DONE]\n\n"
+    finally:
+        job.stop()
+
+
+@dataclass
+class Reply:
+    """Builds the OpenAI response bodies and SSE chunks of one request."""
+
+    model: str
+    kind: str  # "chat" | "text"
+    n_prompt: int
+    id: str = ""
+    created: int = 0
+
+    def __post_init__(self):
+        self.id = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def envelope(self, choices: list[dict], chunk: bool = True, **extra) -> dict:
+        if self.kind == "chat":
+            obj = "chat.completion.chunk" if chunk else "chat.completion"
+        else:
+            obj = "text_completion"
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+
+    @staticmethod
+    def sse(obj: dict) -> str:
+        return "data: " + json.dumps(obj) + "\n\n"
+
+    def chunk(self, text: str | None, finish: str | None, role: bool = False) -> str:
+        if self.kind == "chat":
+            delta = (
+                {"role": "assistant", "content": ""}
+                if role
+                else ({"content": text} if text else {})
+            )
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        return self.sse(self.envelope([choice]))
+
+    def body(self, res: CoreResult) -> dict:
+        if self.kind == "chat":
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": res.text},
+                "finish_reason": res.finish_reason,
+                "logprobs": None,
+            }
+        else:
+            choice = {
+                "index": 0,
+                "text": res.text,
+                "finish_reason": res.finish_reason,
+                "logprobs": None,
+            }
+        ph = phoenix_of(res)
+        if not res.stopped_by_string:  # the exact ids, for distillation on the teacher's tokens
+            ph["token_ids"] = res.result.token_ids
+        return self.envelope([choice], chunk=False, usage=usage_of(res, self.n_prompt), phoenix=ph)
 
 
 def create_app(
@@ -164,41 +512,53 @@ def create_app(
     api_key_env: str = "PHOENIX_API_KEY",
     max_tokens_limit: int = 4096,
     telemetry=None,
+    stuck_after_s: float = 60.0,
+    shutdown_timeout_s: float = 10.0,
 ) -> FastAPI:
     """`load_core` runs in a background thread at start-up; /health says 503 until it is done."""
     from .telemetry import NullTelemetry
 
-    telemetry = telemetry or NullTelemetry()
-    app = FastAPI(title="Phoenix speculative server")
-    state: dict[str, Any] = {"core": None, "error": None}
-    app.state.phoenix = state  # the loaded core, for introspection (tests, embedding apps)
-    gate_holder: dict[str, Gate] = {}
-    api_key = os.environ.get(api_key_env) or None
-    # One thread per admitted request: waiting batch members each hold one.
-    pool = ThreadPoolExecutor(max_workers=queue_size + 1, thread_name_prefix="phoenix-gen")
+    st = ServerState(
+        telemetry=telemetry or NullTelemetry(),
+        admission=Admission(queue_size),
+        api_key=os.environ.get(api_key_env) or None,
+        max_tokens_limit=max_tokens_limit,
+        stuck_after_s=stuck_after_s,
+        shutdown_timeout_s=shutdown_timeout_s,
+    )
 
-    def _load() -> None:
+    def load() -> None:
         try:
-            state["core"] = load_core()
+            st.core = load_core()
             log.info("models loaded; ready")
         except Exception as exc:  # reported by /health; the process stays up to say so
             log.exception("model loading failed")
-            state["error"] = f"{type(exc).__name__}: {exc}"
+            st.error = f"{type(exc).__name__}: {exc}"
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
-        gate_holder["gate"] = Gate(queue_size)
-        threading.Thread(target=_load, name="phoenix-load", daemon=True).start()
+        threading.Thread(target=load, name="phoenix-load", daemon=True).start()
         yield
-        telemetry.flush()
+        # Shutdown: uvicorn has stopped accepting and waited (up to the deadline) for running
+        # requests; whatever still generates is cancelled and gets a moment to end its round.
+        st.closing = True
+        with st.jobs_lock:
+            jobs = list(st.jobs)
+        for job in jobs:
+            job.cancel.set()
+        deadline = time.monotonic() + 1.0
+        for job in jobs:
+            job.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        st.telemetry.flush()
 
-    app.router.lifespan_context = lifespan
+    app = FastAPI(title="Phoenix speculative server", lifespan=lifespan)
+    app.state.phoenix = st
+    app.include_router(router)
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if api_key and request.url.path != "/health":
-            header = request.headers.get("authorization", "")
-            if header != f"Bearer {api_key}":
+        if st.api_key and request.url.path != "/health":
+            if request.headers.get("authorization", "") != f"Bearer {st.api_key}":
                 return APIError(
                     401,
                     "invalid or missing API key",
@@ -208,315 +568,20 @@ def create_app(
                 ).response()
         return await call_next(request)
 
-    @app.exception_handler(APIError)
-    async def _api_error(_request: Request, exc: APIError):
-        return exc.response()
-
-    @app.exception_handler(404)
-    async def _not_found(_request: Request, _exc):
-        return APIError(
+    app.add_exception_handler(APIError, lambda _r, exc: exc.response())
+    app.add_exception_handler(
+        404,
+        lambda _r, _e: APIError(
             404, "no such endpoint", "invalid_request_error", None, "not_found"
-        ).response()
-
-    @app.exception_handler(405)
-    async def _bad_method(_request: Request, _exc):
-        return APIError(405, "method not allowed", "invalid_request_error", None, None).response()
-
-    def ready_core() -> ServingCore:
-        core = state["core"]
-        if core is None:
-            raise APIError(
-                503, state["error"] or "models are loading", "server_error", None, "model_not_ready"
-            )
-        return core
-
-    @app.get("/health")
-    async def health():
-        if state["core"] is not None:
-            return {"status": "ok"}
-        return JSONResponse(
-            {"status": "error" if state["error"] else "loading", "detail": state["error"]},
-            status_code=503,
-        )
-
-    @app.get("/v1/models")
-    async def list_models():
-        core = ready_core()
-        return {
-            "object": "list",
-            "data": [{"id": core.model_id, "object": "model", "created": 0, "owned_by": "phoenix"}],
-        }
-
-    async def parse(request: Request, schema):
-        try:
-            raw = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise bad_request("request body is not valid JSON") from None
-        if not isinstance(raw, dict):
-            raise bad_request("request body must be a JSON object")
-        try:
-            return schema.model_validate(raw)
-        except ValidationError as exc:
-            raise _validation_error(exc) from None
-
-    def prepare(core: ServingCore, req: CommonRequest, prompt_ids: list[int]):
-        if req.model != core.model_id:
-            raise APIError(
-                404,
-                f"model '{req.model}' is not served here; it serves '{core.model_id}'",
-                "invalid_request_error",
-                "model",
-                "model_not_found",
-            )
-        if req.temperature not in (None, 0.0):
-            raise bad_request(
-                "Phoenix serves greedy decoding only: temperature must be 0 or absent",
-                "temperature",
-            )
-        max_tokens = req.max_completion_tokens or req.max_tokens or 256
-        if max_tokens > max_tokens_limit:
-            raise bad_request(
-                f"max_tokens {max_tokens} exceeds this server's limit of {max_tokens_limit}",
-                "max_tokens",
-            )
-        ctx = core.max_context
-        if ctx is not None and len(prompt_ids) + max_tokens > ctx:
-            raise bad_request(
-                f"this model's maximum context length is {ctx} tokens; the prompt has "
-                f"{len(prompt_ids)} and max_tokens asks for {max_tokens}",
-                "messages",
-                "context_length_exceeded",
-            )
-        try:
-            mode = core.mode(req.phoenix.mode if req.phoenix else None)
-        except ModeError as exc:
-            raise bad_request(str(exc), "phoenix.mode") from None
-        return max_tokens, mode
-
-    async def run(request: Request, req: CommonRequest, prompt_ids: list[int], kind: str):
-        core = ready_core()
-        max_tokens, mode = prepare(core, req, prompt_ids)
-        gate = gate_holder["gate"]
-        if not gate.try_admit():
-            raise APIError(
-                429,
-                f"server busy: {gate.size} requests queued or running; retry later",
-                "rate_limit_error",
-                None,
-                "queue_full",
-                headers={"Retry-After": "1"},
-            )
-        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        created = int(time.time())
-        cancel = threading.Event()
-        loop = asyncio.get_running_loop()
-        try:
-            if req.stream:
-                return StreamingResponse(
-                    stream(
-                        request,
-                        core,
-                        gate,
-                        req,
-                        prompt_ids,
-                        max_tokens,
-                        mode,
-                        cancel,
-                        rid,
-                        created,
-                        kind,
-                    ),
-                    media_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache"},
-                )
-            watcher = asyncio.create_task(_watch_disconnect(request, cancel))
-
-            def work():
-                return telemetry.request(core, prompt_ids, max_tokens, mode, req.stop, None, cancel)
-
-            try:
-                if core.batcher is not None and mode.kind == "target" and not req.stop:
-                    # Batched with whatever else is waiting: no turn, the batcher serialises.
-                    res = await loop.run_in_executor(pool, work)
-                else:
-                    if not await _take_turn(gate, cancel):
-                        raise APIError(499, "client disconnected", "invalid_request_error")
-                    try:
-                        res = await loop.run_in_executor(pool, work)
-                    finally:
-                        gate.turn.release()
-            finally:
-                watcher.cancel()
-            return body(core, res, rid, created, kind, len(prompt_ids))
-        finally:
-            if not req.stream:
-                gate.leave()
-
-    async def stream(
-        request, core, gate, req, prompt_ids, max_tokens, mode, cancel, rid, created, kind
-    ):
-        queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-
-        def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> str:
-            if kind == "chat":
-                delta = (
-                    {"role": "assistant", "content": ""}
-                    if role
-                    else ({"content": delta_text} if delta_text else {})
-                )
-                choice = {"index": 0, "delta": delta, "finish_reason": finish}
-            else:
-                choice = {
-                    "index": 0,
-                    "text": delta_text or "",
-                    "finish_reason": finish,
-                    "logprobs": None,
-                }
-            return (
-                "data: "
-                + json.dumps(
-                    {
-                        "id": rid,
-                        "object": obj,
-                        "created": created,
-                        "model": core.model_id,
-                        "choices": [choice],
-                    }
-                )
-                + "\n\n"
-            )
-
-        fut = None
-        has_turn = False
-        try:
-            if not await _take_turn(gate, cancel):
-                return
-            has_turn = True
-            if kind == "chat":
-                yield chunk(None, None, role=True)
-            fut = loop.run_in_executor(
-                pool,
-                lambda: telemetry.request(
-                    core,
-                    prompt_ids,
-                    max_tokens,
-                    mode,
-                    req.stop,
-                    lambda t: loop.call_soon_threadsafe(queue.put_nowait, t),
-                    cancel,
-                ),
-            )
-            # The turn and the slot are handed back when generation ends, even if the client
-            # left first (then `cancel` stops the engine after its current round).
-            fut.add_done_callback(
-                lambda _f: (queue.put_nowait(None), gate.turn.release(), gate.leave())
-            )
-            while (piece := await queue.get()) is not None:
-                yield chunk(piece, None)
-            res = await fut
-            yield chunk(None, res.finish_reason)
-            if (req.stream_options or {}).get("include_usage"):
-                usage = {
-                    "id": rid,
-                    "object": obj,
-                    "created": created,
-                    "model": core.model_id,
-                    "choices": [],
-                    "usage": usage_of(res, len(prompt_ids)),
-                    "phoenix": phoenix_of(res),
-                }
-                yield "data: " + json.dumps(usage) + "\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            if fut is None:
-                if has_turn:
-                    gate.turn.release()
-                gate.leave()
-            elif not fut.done():
-                cancel.set()
-
-    def body(core: ServingCore, res: CoreResult, rid: str, created: int, kind: str, n_prompt: int):
-        if kind == "chat":
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": res.text},
-                "finish_reason": res.finish_reason,
-                "logprobs": None,
-            }
-            obj = "chat.completion"
-        else:
-            choice = {
-                "index": 0,
-                "text": res.text,
-                "finish_reason": res.finish_reason,
-                "logprobs": None,
-            }
-            obj = "text_completion"
-        ph = phoenix_of(res)
-        if not res.stopped_by_string:  # the exact ids, for distillation on the teacher's tokens
-            ph["token_ids"] = res.result.token_ids
-        return {
-            "id": rid,
-            "object": obj,
-            "created": created,
-            "model": core.model_id,
-            "choices": [choice],
-            "usage": usage_of(res, n_prompt),
-            "phoenix": ph,
-        }
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        core = ready_core()
-        req = await parse(request, ChatRequest)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        if not any(m["content"].strip() for m in messages):
-            raise bad_request("messages are all empty", "messages")
-        try:
-            prompt_ids = core.chat_prompt_ids(messages, req.chat_template_kwargs)
-        except Exception as exc:  # a template that rejects this conversation
-            raise bad_request(
-                f"chat template could not render the messages: {exc}", "messages"
-            ) from None
-        return await run(request, req, prompt_ids, "chat")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        core = ready_core()
-        req = await parse(request, CompletionRequest)
-        return await run(request, req, core.text_prompt_ids(req.prompt), "text")
-
+        ).response(),
+    )
+    app.add_exception_handler(
+        405,
+        lambda _r, _e: APIError(
+            405, "method not allowed", "invalid_request_error", None, None
+        ).response(),
+    )
     return app
-
-
-async def _take_turn(gate: Gate, cancel: threading.Event) -> bool:
-    """Wait for the generation turn; give up if the client went away meanwhile."""
-    acquire = asyncio.ensure_future(gate.turn.acquire())
-    while True:
-        done, _ = await asyncio.wait({acquire}, timeout=0.1)
-        if done:
-            if cancel.is_set():
-                gate.turn.release()
-                return False
-            return True
-        if cancel.is_set():
-            acquire.cancel()
-            try:
-                await acquire
-                gate.turn.release()  # it won the race: hand the turn back
-            except asyncio.CancelledError:
-                pass
-            return False
-
-
-async def _watch_disconnect(request: Request, cancel: threading.Event) -> None:
-    while not cancel.is_set():
-        if await request.is_disconnected():
-            cancel.set()
-            return
-        await asyncio.sleep(0.1)
 
 
 def usage_of(res: CoreResult, n_prompt: int) -> dict:
@@ -552,8 +617,6 @@ def phoenix_of(res: CoreResult) -> dict:
 
 
 def serve(cfg, ws, host: str | None, port: int | None, mode: str | None) -> None:
-    import uvicorn
-
     from .spec.core import build_core
     from .telemetry import setup_telemetry
 
@@ -565,8 +628,32 @@ def serve(cfg, ws, host: str | None, port: int | None, mode: str | None) -> None
         api_key_env=cfg.server.api_key_env,
         max_tokens_limit=cfg.server.max_tokens_limit,
         telemetry=telemetry,
+        stuck_after_s=cfg.server.stuck_after_s,
+        shutdown_timeout_s=cfg.server.shutdown_timeout_s,
     )
     host = host or cfg.server.host
     port = cfg.server.port if port is None else port
     log.info("serving %s (mode %s) on http://%s:%d", cfg.models.target, mode, host, port)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    run_server(app, host, port)
+
+
+def run_server(app: FastAPI, host: str, port: int) -> None:
+    """Serve until SIGTERM or Ctrl-C. Then: stop admitting (/health says 503), let running
+    requests finish within `shutdown_timeout_s`, cancel the rest, flush telemetry, exit."""
+    import uvicorn
+
+    st: ServerState = app.state.phoenix
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            st.closing = True
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        timeout_graceful_shutdown=st.shutdown_timeout_s,
+    )
+    Server(config).run()

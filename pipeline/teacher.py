@@ -346,6 +346,24 @@ def load_answers(path: Path) -> dict[int, dict]:
     return rows
 
 
+def append_line(path: Path, line: str) -> None:
+    """Append one whole line durably; on failure (a full disk) the file is cut back to what it
+    held, so it never ends in a torn row."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        end = os.lseek(fd, 0, os.SEEK_END)
+        data = memoryview(line.encode("utf-8"))
+        try:
+            while data:
+                data = data[os.write(fd, data) :]
+            os.fsync(fd)
+        except BaseException:
+            os.ftruncate(fd, end)
+            raise
+    finally:
+        os.close(fd)
+
+
 def run(cfg: Config, ws: Workspace) -> dict[str, Any]:
     if not ws.train_file.exists():
         raise InputError(f"{ws.train_file} is missing: run the split stage first (make split)")
@@ -442,10 +460,9 @@ def _answer_all(
             row["completion_token_ids"] = answer.token_ids
         line = json.dumps(row, ensure_ascii=False) + "\n"
         with lock:
-            with open(ws.answers_file, "a", encoding="utf-8") as f:
-                f.write(line)
-                f.flush()
-                os.fsync(f.fileno())
+            if client.cancel.is_set():  # the stage has ended (failure, Ctrl-C): write no more
+                return
+            append_line(ws.answers_file, line)
             stats["retries"] += retries
             stats["tokens"] += answer.completion_tokens
             bar.update(1)

@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import shutil
+from pathlib import Path
 from typing import Any
 
 from .config import Config
@@ -106,10 +107,23 @@ def run(cfg: Config, ws: Workspace, force: bool = False) -> dict[str, Any]:
     return _train(cfg, ws, answers, inputs)
 
 
+def last_complete_checkpoint(ckpt_dir: Path) -> str | None:
+    """The newest checkpoint to resume from. The Trainer writes `trainer_state.json` last, so a
+    checkpoint without it was cut short (a crash, a full disk): it is removed, never resumed."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if not ckpt_dir.is_dir():
+        return None
+    for d in ckpt_dir.glob("checkpoint-*"):
+        if d.is_dir() and not (d / "trainer_state.json").exists():
+            log.warning("train: removing %s: an incomplete checkpoint", d)
+            shutil.rmtree(d)
+    return get_last_checkpoint(str(ckpt_dir))
+
+
 def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dict[str, Any]:
     import torch
     from datasets import Dataset
-    from transformers.trainer_utils import get_last_checkpoint
     from trl import SFTConfig, SFTTrainer
 
     from . import models
@@ -167,7 +181,7 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=dataset, processing_class=tok, peft_config=peft_config
     )
-    resume = get_last_checkpoint(str(ckpt_dir)) if ckpt_dir.is_dir() else None
+    resume = last_complete_checkpoint(ckpt_dir)
     if resume:
         log.info("train: resuming from %s", resume)
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
@@ -185,8 +199,12 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
     history = [h for h in trainer.state.log_history if "loss" in h]
     atomic_write_jsonl(ws.adapter / "train_log.jsonl", history)
     tmp = make_temp_dir(ws.adapter, ".model.")
-    trainer.model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
+    try:
+        trainer.model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     final = ws.adapter / "model"
     if final.exists():
         shutil.rmtree(final)

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
+import socket
 import tempfile
-from collections.abc import Iterable
+import threading
+import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+from .errors import LockHeld
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = "phoenix.lock"
 
 
 class Workspace:
@@ -57,6 +68,92 @@ class Workspace:
     @property
     def models_cache(self) -> Path:
         return self.cache / "models"
+
+    @property
+    def lock_file(self) -> Path:
+        return self.root / LOCK_NAME
+
+    def lock(self, job: str, run_id: str | None = None) -> contextlib.AbstractContextManager:
+        """This workspace's lock, held for the duration of a stage (see `workspace_lock`)."""
+        return workspace_lock(self.lock_file, job, run_id)
+
+
+# --- one job per workspace -----------------------------------------------------------------
+_held: dict[Path, int] = {}  # locks this process holds, with their nesting depth
+_held_guard = threading.Lock()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def workspace_lock(path: Path, job: str, run_id: str | None = None) -> Iterator[None]:
+    """Hold `path` (O_EXCL-created, JSON naming its holder: pid, host, job, run, start) while the
+    block runs. A second process gets `LockHeld` (exit 6) at once, naming the holder; a lock
+    left by a dead process on this host is cleared. Re-entrant within one process, so `retrain`
+    and `demo` hold it across the stages they run."""
+    key = path.resolve() if path.exists() else path.absolute()
+    with _held_guard:
+        if key in _held:
+            _held[key] += 1
+            reentered = True
+        else:
+            reentered = False
+    if reentered:
+        try:
+            yield
+        finally:
+            with _held_guard:
+                _held[key] -= 1
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    me = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "job": job,
+        "run_id": run_id,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                holder = json.loads(path.read_text())
+            except (OSError, ValueError):
+                holder = {}
+            same_host = holder.get("host") == me["host"]
+            if holder and (not same_host or _alive(int(holder.get("pid", -1)))):
+                run = f", run {holder['run_id']}" if holder.get("run_id") else ""
+                raise LockHeld(
+                    f"another Phoenix job holds {path}: {holder.get('job', 'retrain')} "
+                    f"(pid {holder.get('pid')} on {holder.get('host')}{run}, since "
+                    f"{holder.get('started')}); wait for it to finish, or use another --artifacts"
+                ) from None
+            log.warning(
+                "clearing a stale lock %s (holder %s is gone)", path, holder or "unreadable"
+            )
+            path.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        with _held_guard:
+            _held[path.resolve()] = 1
+        try:
+            yield
+        finally:
+            with _held_guard:
+                _held.pop(path.resolve(), None)
+            path.unlink(missing_ok=True)
+        return
+    raise LockHeld(f"could not take the lock {path}")
 
 
 def make_temp_dir(parent: str | Path, prefix: str) -> Path:

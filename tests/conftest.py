@@ -95,6 +95,7 @@ def start_serve(
     mode: str = "bandit",
     config: str = "configs/ci.yaml",
     timeout: float = 120,
+    extra: list[str] | None = None,
 ):
     """`python -m pipeline serve` on a free port; returns (process, base URL) once healthy."""
     port = free_port()
@@ -112,6 +113,7 @@ def start_serve(
             str(port),
             "--mode",
             mode,
+            *(extra or []),
         ],
         cwd=ROOT,
         env={**os.environ, **(env or {})},

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import random
+import socket
 import threading
 import time
 
@@ -37,10 +39,86 @@ class ServerThread:
         self.thread.join(timeout=30)
 
 
-def tiny_core(tiny_models, state_file=None, mode="bandit", seed=0) -> ServingCore:
+def tiny_core(tiny_models, state_file=None, mode="bandit", seed=0, max_batch=1) -> ServingCore:
     tok, target, draft = tiny_models
     engine = SpecEngine(target, draft, [tok.eos_token_id])
     bandit = EpsilonGreedy([0, 2, 4, 6, 8], random.Random(seed))
     return ServingCore(
-        engine, tok, bandit, "tiny", "cut:1", default_mode=mode, state_file=state_file
+        engine,
+        tok,
+        bandit,
+        "tiny",
+        "cut:1",
+        default_mode=mode,
+        state_file=state_file,
+        max_batch=max_batch,
     )
+
+
+class Valve:
+    """A forward pre-hook on a real model: `close()` makes the next forward passes wait until
+    `open()` (a generation worker that is stuck), `delay_s` slows every pass."""
+
+    def __init__(self, model, delay_s: float = 0.0):
+        self.gate = threading.Event()
+        self.gate.set()
+        self.delay_s = delay_s
+        self.calls = 0
+        self.handle = model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, _module, _args):
+        self.calls += 1
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        self.gate.wait()
+
+    def close(self) -> None:
+        self.gate.clear()
+
+    def open(self) -> None:
+        self.gate.set()
+
+    def remove(self) -> None:
+        self.gate.set()
+        self.handle.remove()
+
+
+# --- careless clients: real sockets that leave at the worst moments ---------------------------
+def _raw_post(url: str, path: str, body: dict, rcvbuf: int | None = None) -> socket.socket:
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    data = json.dumps(body).encode()
+    sock = socket.socket()
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect((host, int(port)))
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def hang_up_before_first_byte(url: str, path: str, body: dict) -> None:
+    """Send the whole request, then close before anything comes back."""
+    _raw_post(url, path, body).close()
+
+
+def hang_up_mid_stream(url: str, path: str, body: dict) -> None:
+    """Read until the first streamed event arrives, then close."""
+    sock = _raw_post(url, path, body)
+    sock.settimeout(60)
+    seen = b""
+    while b"data: " not in seen:
+        got = sock.recv(4096)
+        if not got:
+            break
+        seen += got
+    sock.close()
+
+
+def stop_reading(url: str, path: str, body: dict, hold_s: float) -> None:
+    """Send the request, read nothing for `hold_s` seconds (a tiny receive buffer), then close."""
+    sock = _raw_post(url, path, body, rcvbuf=1024)
+    time.sleep(hold_s)
+    sock.close()

@@ -2,6 +2,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -9,7 +10,7 @@ import time
 import pytest
 
 from pipeline.errors import LockHeld
-from pipeline.retrain import retrain_lock
+from pipeline.workspace import workspace_lock
 from tests.conftest import ROOT, run_cli
 
 # Small and fast; the gate's margin is set per test so it does not hinge on training quality.
@@ -49,7 +50,7 @@ def test_a_run_completes_and_is_promoted(promoted):
     for stage in info["stages"]:
         manifest = json.loads((run / "manifests" / f"{stage}.json").read_text())
         assert manifest["outputs"] and all(manifest["outputs"].values())
-    assert not (promoted / "retrain.lock").exists()
+    assert not (promoted / "phoenix.lock").exists()
     assert not (run / "cache").exists()  # models are cached once per artifacts root
 
 
@@ -115,11 +116,11 @@ def test_killed_run_resumes_at_the_failed_stage_and_clears_the_stale_lock(tmp_pa
     assert answers is not None
     os.kill(proc.pid, signal.SIGKILL)  # mid-distill, lock left behind
     proc.wait()
-    assert (root / "retrain.lock").exists()
+    assert (root / "phoenix.lock").exists()
     kept = answers.read_text().count("\n")
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "clearing a stale retrain lock" in r.stderr and "resuming run" in r.stderr
+    assert "clearing a stale lock" in r.stderr and "resuming run" in r.stderr
     (run_id,) = runs_of(root)
     info = json.loads((root / "runs" / run_id / "run.json").read_text())
     assert info["stages"]["split"] == "skipped" and info["stages"]["distill"] == "done"
@@ -148,7 +149,7 @@ def test_two_concurrent_runs_yield_one_lock_held_exit(tmp_path, mbpp_path):
     )
     try:
         deadline = time.monotonic() + 60
-        while not (root / "retrain.lock").exists() and time.monotonic() < deadline:
+        while not (root / "phoenix.lock").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         t0 = time.monotonic()
         r = retrain(root)
@@ -159,10 +160,25 @@ def test_two_concurrent_runs_yield_one_lock_held_exit(tmp_path, mbpp_path):
         first.wait()
 
 
-def test_lock_is_exclusive_in_process(tmp_path):
-    with retrain_lock(tmp_path / "l", "a"):
-        with pytest.raises(LockHeld, match="another retrain"):
-            with retrain_lock(tmp_path / "l", "b"):
+def test_lock_is_exclusive_across_processes_and_reentrant_within_one(tmp_path):
+    lock = tmp_path / "phoenix.lock"
+    with workspace_lock(lock, "retrain", "a"):
+        with workspace_lock(lock, "bench"):  # retrain's own stages: no self-deadlock
+            assert json.loads(lock.read_text())["job"] == "retrain"
+        assert lock.exists()  # still held by the outer block
+    assert not lock.exists()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:  # a live holder in another process
+        lock.write_text(
+            json.dumps(
+                {"pid": other.pid, "host": socket.gethostname(), "job": "distill", "started": "t"}
+            )
+        )
+        with pytest.raises(LockHeld, match=f"distill \\(pid {other.pid}"):
+            with workspace_lock(lock, "train"):
                 pass
-    with retrain_lock(tmp_path / "l", "c"):  # released: free again
-        pass
+    finally:
+        other.kill()
+        other.wait()
+    with workspace_lock(lock, "train"):  # its holder is gone: cleared and taken
+        assert json.loads(lock.read_text())["pid"] == os.getpid()

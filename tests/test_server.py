@@ -339,4 +339,4 @@ def test_target_requests_are_batched_with_identical_output(tiny_models):
             together = list(pool.map(lambda t: post(s, CHAT, chat_body(t, max_tokens=20)), texts))
         assert all(r.status_code == 200 for r in together)
         assert [r.json()["choices"][0]["message"]["content"] for r in together] == one_by_one
-    assert app.state.phoenix["core"].batcher.max_rows > 1
+    assert app.state.phoenix.core.batcher.max_rows > 1

@@ -7,21 +7,58 @@ nothing of HTTP.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import queue
 import random
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .bandit import Decision, EpsilonGreedy, load_bandit, save_bandit
-from .engine import GenerationResult, SpecEngine
+from .engine import GenerationResult, SpecEngine, TargetBatch
 
 log = logging.getLogger(__name__)
 
 
 class ModeError(ValueError):
     """A mode string that is malformed or names an arm this core cannot run."""
+
+
+class Cancelled(Exception):
+    """The caller cancelled (client gone, shutdown) before its generation could start or finish."""
+
+
+class Heartbeat:
+    """Whether generation is making progress: `working` brackets each generation, `beat` marks
+    a round (or a batch step). `stalled_s` is how long work has been running without a beat,
+    0.0 when idle; the server's /health turns 503 past a bound."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.active = 0
+        self.last = time.monotonic()
+
+    def beat(self) -> None:
+        self.last = time.monotonic()
+
+    @contextlib.contextmanager
+    def working(self) -> Iterator[None]:
+        with self._lock:
+            if self.active == 0:
+                self.last = time.monotonic()
+            self.active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.active -= 1
+                self.last = time.monotonic()
+
+    def stalled_s(self) -> float:
+        return time.monotonic() - self.last if self.active else 0.0
 
 
 @dataclass(frozen=True)
@@ -109,46 +146,67 @@ class CoreResult:
     stopped_by_string: bool = False
 
 
+@dataclass(eq=False)
+class BatchSlot:
+    """One target-only request waiting in, or running in, the batcher."""
+
+    prompt: list[int]
+    max_tokens: int
+    cancel: threading.Event | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    result: GenerationResult | None = None
+    error: BaseException | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel.is_set()
+
+    def finish(self, result: GenerationResult | None = None, error: BaseException | None = None):
+        self.result, self.error = result, error
+        self.done.set()
+
+
 class TargetBatcher:
     """Gathers concurrent target-only requests and generates them as one padded batch that new
     requests join as they arrive (continuous batching, `engine.TargetBatch`).
 
     Callers block in `submit`. One worker thread takes the first waiting request, waits up to
     `gather_s` for more (at most `max_batch`), and steps the batch one token at a time; before
-    each step it lets waiting requests join (up to `max_batch` rows), and each caller is released
-    as soon as its own row finishes. Each step (and each join's prefill) runs under the core's
-    lock, so it never overlaps a speculative request."""
+    each step it lets waiting requests join (up to `max_batch` rows) and drops the rows whose
+    caller cancelled, and each caller is released as soon as its own row finishes. Each step
+    (and each join's prefill) runs under the core's lock, so it never overlaps a speculative
+    request."""
 
     def __init__(
-        self, engine: SpecEngine, lock: threading.Lock, max_batch: int, gather_s: float = 0.02
+        self,
+        engine: SpecEngine,
+        lock: threading.Lock,
+        max_batch: int,
+        gather_s: float = 0.02,
+        heartbeat: Heartbeat | None = None,
     ):
-        import queue
-
         self.engine = engine
         self.lock = lock
         self.max_batch = max_batch
         self.gather_s = gather_s
-        self.queue: queue.Queue = queue.Queue()
+        self.heartbeat = heartbeat or Heartbeat()
+        self.queue: queue.Queue[BatchSlot] = queue.Queue()
         self.max_rows = 0  # the most rows one step carried
         threading.Thread(target=self._work, name="phoenix-batcher", daemon=True).start()
 
-    def submit(self, prompt_ids: list[int], max_tokens: int) -> GenerationResult:
-        from .engine import TargetBatch
-
+    def submit(
+        self, prompt_ids: list[int], max_tokens: int, cancel: threading.Event | None = None
+    ) -> GenerationResult:
         TargetBatch.check_row(prompt_ids, max_tokens)  # refused alone, never failing a batch
-        done = threading.Event()
-        slot: dict = {"prompt": prompt_ids, "max": max_tokens, "done": done}
+        slot = BatchSlot(prompt_ids, max_tokens, cancel)
         self.queue.put(slot)
-        done.wait()
-        if "error" in slot:
-            raise slot["error"]
-        return slot["result"]
+        slot.done.wait()
+        if slot.error is not None:
+            raise slot.error
+        return slot.result
 
-    def _take(self, room: int, block: bool) -> list[dict]:
-        import queue
-        import time
-
-        slots: list[dict] = []
+    def _take(self, room: int, block: bool) -> list[BatchSlot]:
+        slots: list[BatchSlot] = []
         if block:
             slots.append(self.queue.get())
             deadline = time.monotonic() + self.gather_s
@@ -162,11 +220,15 @@ class TargetBatcher:
                 slots.append(self.queue.get_nowait())
             except queue.Empty:
                 break
-        return slots
+        live = []
+        for slot in slots:  # a caller that left while waiting never joins
+            if slot.cancelled:
+                slot.finish(error=Cancelled("cancelled while waiting for the batch"))
+            else:
+                live.append(slot)
+        return live
 
     def _work(self) -> None:
-        from .engine import TargetBatch
-
         batch = TargetBatch(self.engine)
         while True:
             new = (
@@ -174,21 +236,21 @@ class TargetBatcher:
                 if batch.joinable
                 else []
             )
-            slots = [row["key"] for row in batch.rows] + new
             try:
                 with self.lock:
-                    batch.add([(slot, (slot["prompt"], slot["max"])) for slot in new])
+                    for slot in batch.drop(lambda s: s.cancelled):
+                        slot.finish(error=Cancelled("cancelled mid-generation"))
+                    batch.add([(slot, (slot.prompt, slot.max_tokens)) for slot in new])
                     self.max_rows = max(self.max_rows, batch.active)
                     finished = batch.step()
+                self.heartbeat.beat()
             except Exception as exc:  # every caller in the batch hears of it
-                for slot in slots:
-                    slot["error"] = exc
-                    slot["done"].set()
+                for slot in {*batch.keys(), *new}:
+                    slot.finish(error=exc)
                 batch = TargetBatch(self.engine)
                 continue
             for slot, result in finished:
-                slot["result"] = result
-                slot["done"].set()
+                slot.finish(result=result)
 
 
 class ServingCore:
@@ -214,7 +276,12 @@ class ServingCore:
         self.default_mode = parse_mode(default_mode, bandit.arms, self.has_draft)
         self.state_file = state_file
         self.lock = threading.Lock()
-        self.batcher = TargetBatcher(engine, self.lock, max_batch) if max_batch > 1 else None
+        self.heartbeat = Heartbeat()
+        self.batcher = (
+            TargetBatcher(engine, self.lock, max_batch, heartbeat=self.heartbeat)
+            if max_batch > 1
+            else None
+        )
         if state_file is not None:
             outcome = load_bandit(bandit, state_file)
             log.info("bandit state %s: %s", state_file, outcome)
@@ -250,21 +317,32 @@ class ServingCore:
         on_text: Callable[[str], None] | None = None,
         cancel: threading.Event | None = None,
     ) -> CoreResult:
+        """Generate one request. `cancel` (a client gone, a shutdown) ends generation after the
+        engine's current round, with the text so far; set before generation starts (while the
+        request waits for the lock or the batch), it raises `Cancelled` instead."""
+        with self.heartbeat.working():
+            return self._generate(prompt_ids, max_tokens, mode, stop, on_text, cancel)
+
+    def _generate(self, prompt_ids, max_tokens, mode, stop, on_text, cancel) -> CoreResult:
         decision = self.bandit.choose() if mode.kind == "bandit" else None
         k = decision.arm if decision else mode.k
         tracker = TextTracker(self.tokenizer, stop or [])
 
         def should_stop(out: list[int]) -> bool:
+            self.heartbeat.beat()
             delta = tracker.update(out)
             if delta and on_text is not None:
                 on_text(delta)
             return tracker.stopped or (cancel is not None and cancel.is_set())
 
         if self.batcher is not None and k == 0 and not tracker.stops and on_text is None:
-            result = self.batcher.submit(prompt_ids, max_tokens)
+            result = self.batcher.submit(prompt_ids, max_tokens, cancel)
         else:
-            with self.lock:
+            self._acquire(cancel)
+            try:
                 result = self.engine.generate(prompt_ids, k, max_tokens, should_stop=should_stop)
+            finally:
+                self.lock.release()
         if not tracker.stopped:
             tracker.update(result.token_ids)
         tail = tracker.rest()
@@ -277,6 +355,14 @@ class ServingCore:
             if self.state_file is not None:
                 save_bandit(self.bandit, self.state_file)
         return CoreResult(tracker.text, finish, mode, result, decision, cancelled, tracker.stopped)
+
+    def _acquire(self, cancel: threading.Event | None, poll_s: float = 0.05) -> None:
+        """Take the generation lock; give up with `Cancelled` if the caller cancels meanwhile."""
+        while True:
+            if cancel is not None and cancel.is_set():
+                raise Cancelled("cancelled while waiting for the generation lock")
+            if self.lock.acquire(timeout=poll_s):
+                return
 
 
 def build_core(cfg, ws, mode: str | None = None, load_draft: bool | None = None) -> ServingCore:

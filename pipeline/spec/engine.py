@@ -264,6 +264,28 @@ class TargetBatch:
     def active(self) -> int:
         return len(self.rows)
 
+    def keys(self) -> list:
+        return [row["key"] for row in self.rows]
+
+    def drop(self, predicate: Callable[[object], bool]) -> list:
+        """Remove the rows whose key satisfies `predicate` (callers that left); returns their
+        keys. The other rows go on unchanged."""
+        gone = [row["key"] for row in self.rows if predicate(row["key"])]
+        if gone:
+            self._select([i for i, row in enumerate(self.rows) if not predicate(row["key"])])
+        return gone
+
+    def _select(self, keep: list[int]) -> None:
+        """Keep only the rows at `keep` (cache, mask, scores and bookkeeping alike)."""
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache = self.mask = self.logits = None
+            return
+        sel = torch.tensor(keep, device=self.engine.device)
+        self.cache.batch_select_indices(sel)
+        self.mask = self.mask[sel]
+        self.logits = self.logits[sel]
+
     @staticmethod
     def check_row(prompt_ids: Sequence[int], max_new_tokens: int) -> None:
         if not prompt_ids or max_new_tokens < 1:
@@ -356,15 +378,11 @@ class TargetBatch:
             )
             for row, reason in finished
         ]
-        dev = self.engine.device
         if len(keep) < len(self.rows):
-            self.rows = [self.rows[i] for i in keep]
+            self._select(keep)
             if not keep:
-                self.cache = self.mask = self.logits = None
                 return results
-            sel = torch.tensor(keep, device=dev)
-            self.cache.batch_select_indices(sel)
-            self.mask = self.mask[sel]
+        dev = self.engine.device
         step = torch.tensor([[nxt[i]] for i in keep], dtype=torch.long, device=dev)
         self.mask = torch.cat([self.mask, self.mask.new_ones((len(keep), 1))], dim=1)
         self.logits = self._forward(

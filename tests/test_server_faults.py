@@ -1,0 +1,242 @@
+"""Careless clients and stuck workers must not take the server down (issue 13).
+
+Real servers on 127.0.0.1, real sockets that hang up before the first byte, mid-stream, or stop
+reading; real tiny models (slowed or stopped with a forward hook where a test needs time).
+"""
+
+import contextlib
+import itertools
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from pipeline.server import create_app
+from tests.conftest import ROOT, free_port, start_serve, wait_http
+from tests.servers import (
+    ServerThread,
+    Valve,
+    hang_up_before_first_byte,
+    hang_up_mid_stream,
+    stop_reading,
+    tiny_core,
+)
+
+CHAT = "/v1/chat/completions"
+MODES = ["target", "fixed:0", "fixed:2", "fixed:4", "bandit"]
+
+
+def body(model="tiny", mode=None, stream=False, max_tokens=24, text="Write a function."):
+    b = {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
+    if mode:
+        b["phoenix"] = {"mode": mode}
+    return b
+
+
+def settle(url: str, timeout: float = 20.0) -> dict:
+    """/health once nothing is admitted or generating any more (what a leak would never reach)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        h = requests.get(url + "/health", timeout=5).json()
+        if h.get("admitted") == 0 and h.get("generating") == 0:
+            return h
+        if time.monotonic() > deadline:
+            raise AssertionError(f"slots or workers leaked: {h}")
+        time.sleep(0.1)
+
+
+def every_mode_serves(url: str, model: str = "tiny") -> None:
+    for mode in MODES:
+        r = requests.post(url + CHAT, json=body(model, mode, max_tokens=8), timeout=30)
+        assert r.status_code == 200, (mode, r.text)
+
+
+def last_event(r: requests.Response) -> bytes:
+    return [line for line in r.iter_lines() if line][-1]
+
+
+def sigterm_exits_within(proc: subprocess.Popen, deadline_s: float) -> float:
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"SIGTERM did not stop the server within {deadline_s} s") from None
+    return time.monotonic() - t0
+
+
+def test_two_hang_ups_before_the_first_byte_do_not_wedge_the_server(tmp_path):
+    """The reported wedge: `serve --config configs/ci.yaml --mode fixed:2`, two streaming chat
+    requests whose clients close right after sending. Every later request hung, and SIGTERM no
+    longer stopped the process."""
+    proc, url = start_serve(tmp_path / "art", mode="fixed:2")
+    try:
+        model = requests.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
+        for _ in range(2):
+            hang_up_before_first_byte(url, CHAT, body(model, stream=True, max_tokens=900))
+        time.sleep(3)
+        every_mode_serves(url, model)
+        r = requests.post(url + CHAT, json=body(model, stream=True), stream=True, timeout=30)
+        assert r.status_code == 200 and last_event(r) == b"data: [DONE]"
+        assert settle(url)["status"] == "ok"
+    finally:
+        took = sigterm_exits_within(proc, 15)
+    assert took < 15
+
+
+@pytest.fixture
+def slow_server(tiny_models):
+    """A server whose target takes 10 ms a forward pass: long answers take seconds."""
+    valve = Valve(tiny_models[1], delay_s=0.01)
+    app = create_app(lambda: tiny_core(tiny_models, mode="fixed:2"), queue_size=4)
+    try:
+        with ServerThread(app) as s:
+            wait_http(s.url + "/health")
+            yield s, valve, app.state.phoenix
+    finally:
+        valve.remove()
+
+
+@pytest.mark.parametrize("leave", [hang_up_before_first_byte, hang_up_mid_stream])
+def test_generation_for_a_client_that_left_stops_at_the_next_round(slow_server, leave):
+    s, valve, _ = slow_server
+    before = valve.calls
+    t0 = time.monotonic()
+    leave(s.url, CHAT, body(stream=True, max_tokens=900, mode="fixed:0"))
+    settle(s.url)
+    # 900 tokens would take 900 passes (9 s or more); the job ended within a few rounds.
+    assert valve.calls - before < 150 and time.monotonic() - t0 < 5
+
+
+def test_a_client_that_stops_reading_holds_no_slot(slow_server):
+    s, _, st = slow_server
+    held = threading.Thread(
+        target=stop_reading, args=(s.url, CHAT, body(stream=True, max_tokens=60), 4.0)
+    )
+    held.start()
+    try:
+        time.sleep(0.3)
+        assert st.admission.count == 1
+        settle(s.url, timeout=10)  # generation ran to max_tokens into an unread queue
+        every_mode_serves(s.url)
+    finally:
+        held.join()
+
+
+def test_health_turns_503_while_generation_is_stuck(tiny_models):
+    valve = Valve(tiny_models[1])
+    app = create_app(lambda: tiny_core(tiny_models, mode="fixed:2"), stuck_after_s=0.5)
+    try:
+        with ServerThread(app) as s:
+            wait_http(s.url + "/health")
+            valve.close()
+            with ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(requests.post, s.url + CHAT, json=body(), timeout=60)
+                wait_http(s.url + "/health", timeout=10, status=503)
+                h = requests.get(s.url + "/health", timeout=5).json()
+                assert h["status"] == "stuck" and "no progress" in h["detail"], h
+                valve.open()
+                assert pending.result().status_code == 200
+            assert settle(s.url)["status"] == "ok"
+    finally:
+        valve.remove()
+
+
+def test_sigterm_with_a_stuck_request_exits_within_the_deadline(model_cache):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.stuck_server", str(model_cache), str(port), "2"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_http(url + "/health", timeout=60)
+
+        def stuck_client():
+            with contextlib.suppress(requests.RequestException):  # cut off by the shutdown
+                _ = requests.post(url + CHAT, json=body(stream=True), timeout=30).content
+
+        threading.Thread(target=stuck_client, daemon=True).start()
+        wait_http(url + "/health", timeout=10, status=503)  # stuck in its forward pass
+    finally:
+        took = sigterm_exits_within(proc, 10)
+    assert took < 2 + 3, took  # the deadline, plus start-up of shutdown and process exit
+
+
+def _careless_client(url: str, until: float, seed: int, counts: dict, lock) -> None:
+    rng = random.Random(seed)
+    while time.monotonic() < until:
+        mode = rng.choice(MODES)
+        stream = rng.random() < 0.6
+        b = body(mode=mode, stream=stream, max_tokens=rng.choice([8, 48, 200]))
+        how = rng.choice(["plain", "before_first_byte", "mid_stream", "stop_reading"])
+        if how == "before_first_byte":
+            hang_up_before_first_byte(url, CHAT, b)
+        elif how == "mid_stream" and stream:
+            hang_up_mid_stream(url, CHAT, b)
+        elif how == "stop_reading":
+            stop_reading(url, CHAT, b, hold_s=rng.uniform(0.1, 1.0))
+        else:
+            r = requests.post(url + CHAT, json=b, timeout=60)
+            assert r.status_code in (200, 429), r.text
+            how = f"plain {r.status_code}"
+        with lock:
+            counts[how] = counts.get(how, 0) + 1
+
+
+@pytest.mark.parametrize(
+    "seconds", [6, pytest.param(90, marks=pytest.mark.slow, id="90s")], ids=lambda x: f"{x}s"
+)
+def test_soak_careless_clients_in_every_mode(tiny_models, seconds):
+    """Several clients mixing every mode, streaming and not, hanging up before the first byte,
+    mid-stream, or not reading. Afterwards every request succeeds, no slot is leaked, no
+    generation thread is left."""
+    app = create_app(lambda: tiny_core(tiny_models, max_batch=4), queue_size=4)
+    st = app.state.phoenix
+    counts: dict = {}
+    lock = threading.Lock()
+    with ServerThread(app) as s:
+        wait_http(s.url + "/health")
+        until = time.monotonic() + seconds
+        with ThreadPoolExecutor(6) as pool:
+            for f in [
+                pool.submit(_careless_client, s.url, until, seed, counts, lock) for seed in range(6)
+            ]:
+                f.result()
+        settle(s.url)
+        every_mode_serves(s.url)
+        r = requests.post(s.url + CHAT, json=body(stream=True), stream=True, timeout=30)
+        assert last_event(r) == b"data: [DONE]"
+        assert st.admission.count == 0 and not st.jobs
+        assert not [t for t in threading.enumerate() if t.name == "phoenix-gen"]
+    assert counts.get("before_first_byte") and counts.get("plain 200"), counts
+
+
+def test_health_reports_no_leak_after_mixed_hang_ups_in_a_real_process(tmp_path):
+    """The issue's second run, short: a real `serve` with queue_size=4 and clients that hang up;
+    it ended answering only 429s. Now it drains, and SIGTERM stops it."""
+    proc, url = start_serve(tmp_path / "art", mode="bandit", extra=["--set", "server.queue_size=4"])
+    try:
+        model = requests.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
+        for mode, stream in itertools.product(MODES, [True, False]):
+            hang_up_before_first_byte(url, CHAT, body(model, mode, stream, max_tokens=300))
+            hang_up_mid_stream(url, CHAT, body(model, mode, True, max_tokens=300))
+        settle(url)
+        every_mode_serves(url, model)
+    finally:
+        sigterm_exits_within(proc, 15)
