@@ -13,8 +13,6 @@ import argparse
 from pipeline import models
 from pipeline.bench import prompt_ids
 from pipeline.config import load_config
-from pipeline.spec.core import eos_ids
-from pipeline.spec.engine import SpecEngine
 from pipeline.workspace import Workspace, read_jsonl
 
 
@@ -29,13 +27,10 @@ def main() -> None:
     args = ap.parse_args()
     cfg = load_config(args.config)
     ws = Workspace(args.artifacts)
-    target_ref = models.resolve(cfg.models.target, ws.models_cache)
-    tok = models.load_tokenizer(target_ref)
-    target = models.load_model(target_ref, "float32", "cpu")
-    ids = prompt_ids(cfg, tok, read_jsonl(ws.test_file)[: args.prompts])
+    target = models.load_pair(cfg, ws, None)
+    ids = prompt_ids(cfg, target.tokenizer, read_jsonl(ws.test_file)[: args.prompts])
     for spec in args.drafts:
-        ref = models.resolve(spec, ws.models_cache, target_ref=target_ref)
-        eng = SpecEngine(target, models.load_model(ref, "float32", "cpu"), eos_ids(tok, target))
+        eng = models.load_pair(cfg, ws, spec, share_target=target).engine
         acc = prop = toks = 0
         secs = 0.0
         for p in ids:

@@ -17,7 +17,7 @@ import json
 import random
 import statistics
 
-from pipeline.spec.bandit import EpsilonGreedy
+from pipeline.speculative.bandit import EpsilonGreedy
 
 
 def load_table(results: dict, draft: str) -> dict[int, dict[int, tuple[float, int]]]:

@@ -17,14 +17,15 @@ import time
 
 import torch
 
-from pipeline import models
+from pipeline import bench, models
 from pipeline.config import load_config
-from pipeline.spec.core import eos_ids
-from pipeline.spec.engine import SpecEngine
+from pipeline.speculative.engine import SpeculativeEngine
 from pipeline.workspace import Workspace, read_jsonl
 
 
-def loop_overhead(eng: SpecEngine, prompts: list[list[int]], tokens: int, arms: list[int]) -> dict:
+def loop_overhead(
+    eng: SpeculativeEngine, prompts: list[list[int]], tokens: int, arms: list[int]
+) -> dict:
     """Target-only and each self-draft arm on the same prompts: tokens/s over the whole run, and
     mean draft and verify seconds per request."""
     eng.generate(prompts[0], 0, 8)  # warm-up
@@ -54,16 +55,14 @@ def main() -> None:
     args = ap.parse_args()
     cfg = load_config(args.config)
     ws = Workspace(args.artifacts)
-    ref = models.resolve(cfg.models.target, ws.models_cache)
-    tok = models.load_tokenizer(ref)
-    target = models.load_model(ref, cfg.models.dtype, cfg.models.device)
-    eng = SpecEngine(target, target, eos_ids(tok, target))
-    texts = (
-        [r["prompt"] for r in read_jsonl(ws.test_file)[: args.prompts]]
+    pair = models.load_pair(cfg, ws, models.SELF)
+    eng, tok, target = pair.engine, pair.tokenizer, pair.target
+    rows_in = (
+        read_jsonl(ws.test_file)[: args.prompts]
         if ws.test_file.exists()
-        else ["Write a function to reverse a string."] * args.prompts
+        else [{"prompt": "Write a function to reverse a string."}] * args.prompts
     )
-    prompts = [models.user_prompt_ids(tok, t) for t in texts]
+    prompts = bench.prompt_ids(cfg, tok, rows_in)
     rows = loop_overhead(eng, prompts, args.tokens, args.arms)
     if args.hf:
         target.generation_config.num_assistant_tokens_schedule = "constant"

@@ -33,8 +33,6 @@ from engine_overhead import loop_overhead
 from pipeline import bench, models
 from pipeline.bench import environment
 from pipeline.config import load_config
-from pipeline.spec.core import eos_ids
-from pipeline.spec.engine import SpecEngine
 from pipeline.telemetry import NullTelemetry
 from pipeline.workspace import Workspace, atomic_write_json, atomic_write_text, read_jsonl
 
@@ -54,12 +52,9 @@ class _PerfWorkspace(Workspace):
 
 
 def part_loop(cfg, ws: Workspace, n_prompts: int, tokens: int) -> dict:
-    ref = models.resolve(cfg.models.target, ws.models_cache)
-    tok = models.load_tokenizer(ref)
-    target = models.load_model(ref, cfg.models.dtype, cfg.models.device)
-    eng = SpecEngine(target, target, eos_ids(tok, target))
-    prompts = bench.prompt_ids(cfg, tok, read_jsonl(ws.test_file)[:n_prompts])
-    rows = loop_overhead(eng, prompts, tokens, [2, 4, 8])
+    pair = models.load_pair(cfg, ws, models.SELF)
+    prompts = bench.prompt_ids(cfg, pair.tokenizer, read_jsonl(ws.test_file)[:n_prompts])
+    rows = loop_overhead(pair.engine, prompts, tokens, [2, 4, 8])
     base = rows["phoenix target-only"]["tokens_per_second"]
     for row in rows.values():
         row["ratio_to_target_only"] = row["tokens_per_second"] / base
@@ -80,7 +75,7 @@ def _distill(args, out: Path, n: int, overrides: list[str]) -> dict:
         r = subprocess.run([sys.executable, "-m", "pipeline", stage, *common, *sets])
         if r.returncode != 0:
             sys.exit(f"performance: {stage} into {out} failed (exit {r.returncode})")
-    return json.loads((out / "teacher" / "summary.json").read_text())
+    return json.loads((Workspace(out).teacher / "summary.json").read_text())
 
 
 def part_teacher(args, cfg, perf: Path) -> dict:
@@ -113,8 +108,9 @@ def part_bandit(args, cfg, ws: Workspace, perf: Path) -> dict:
             "bench.seed_bandit=true",
         ],
     )
-    bench.run(bcfg, _PerfWorkspace(ws.root, perf / "bench"), NullTelemetry())
-    results = json.loads((perf / "bench" / "results.json").read_text())
+    bench_ws = _PerfWorkspace(ws.root, perf / "bench")
+    bench.run(bcfg, bench_ws, NullTelemetry())
+    results = json.loads(bench_ws.bench_results.read_text())
     keep = (
         "post_warmup_requests",
         "post_warmup_arm_counts",

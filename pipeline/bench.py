@@ -28,8 +28,7 @@ from tqdm import tqdm
 from . import models, report
 from .config import Config
 from .errors import InputError, VerificationError
-from .spec.core import ServingCore, eos_ids, make_bandit, parse_mode
-from .spec.engine import SpecEngine
+from .serving import ServingCore, make_bandit, parse_mode
 from .workspace import Workspace, atomic_write_json, atomic_write_text, read_jsonl
 
 log = logging.getLogger(__name__)
@@ -70,12 +69,12 @@ def environment(cfg: Config, device: str) -> dict[str, Any]:
 
 
 def prompt_ids(cfg: Config, tok, rows: list[dict]) -> list[list[int]]:
-    from .train import template_kwargs
-
-    return [models.user_prompt_ids(tok, r["prompt"], template_kwargs(cfg)) for r in rows]
+    """The held-out prompts as the server renders them (`models.user_prompt_ids`)."""
+    return [models.user_prompt_ids(tok, r["prompt"], cfg.template_kwargs()) for r in rows]
 
 
 def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) -> dict[str, Any]:
+    """Measure every (draft, mode), check every output against target-only, summarise."""
     if not ws.test_file.exists():
         raise InputError(f"{ws.test_file} is missing: run the split stage first (make split)")
     drafts = drafts or list(cfg.bench.drafts)
@@ -84,76 +83,48 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
             f"no distilled draft at {ws.merged}: run train and merge first, or bench with --draft base"
         )
     rows = read_jsonl(ws.test_file)[: cfg.bench.prompts]
-    target_ref, base_ref = models.resolve_pair(cfg.models.target, cfg.models.draft, ws.models_cache)
-    refs = {"base": base_ref, "distilled": str(ws.merged)}
-    device = models.pick_device(cfg.models.device)
-    tok = models.load_tokenizer(target_ref)
-    target = models.load_model(target_ref, cfg.models.dtype, device)
-    eos = eos_ids(tok, target)
-    ids = prompt_ids(cfg, tok, rows)
-    n_warm = cfg.bench.warmup_requests
-    records: list[dict] = []
-    model_id = cfg.models.served_name or cfg.models.target
-
-    def measure(core: ServingCore, draft: str, mode_text: str, label: str | None = None) -> None:
-        mode = parse_mode(
-            mode_text,
-            core.bandit.arms
-            if mode_text == "bandit"
-            else sorted(set(cfg.bandit.arms) | set(cfg.bench.fixed_arms) | {0}),
-            core.has_draft,
+    records = measure_all(cfg, ws, telemetry, drafts, rows)
+    mismatches = lossless_mismatches(records)
+    results = summarise(cfg, ws, drafts, records, mismatches)
+    ws.bench.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(ws.bench_results, results)
+    atomic_write_text(ws.bench / "report.md", report.markdown(results))
+    report.write_plots(results, records, ws.bench)
+    log.info("bench: report at %s\n%s", ws.bench / "report.md", report.markdown(results))
+    if mismatches:
+        raise VerificationError(
+            f"lossless check failed for {len(mismatches)} outputs: " + "; ".join(mismatches[:5])
         )
-        warm_mode = parse_mode("target", [0], False)
-        for w in range(n_warm):  # warm-up: excluded from every figure, never feeds the bandit
-            telemetry.request(core, ids[w % len(ids)], min(16, cfg.bench.max_new_tokens), warm_mode)
-        label = label or mode.name
-        for i, p in enumerate(
-            tqdm(ids, desc=f"bench {draft}/{label}", unit="req", dynamic_ncols=True)
-        ):
-            res = telemetry.request(core, p, cfg.bench.max_new_tokens, mode)
-            r = res.result
-            records.append(
-                {
-                    "draft": draft,
-                    "mode": label,
-                    "prompt_index": i,
-                    "task_id": rows[i]["task_id"],
-                    "arm": r.arm,
-                    "warmup": bool(res.decision and res.decision.warmup),
-                    "explored": bool(res.decision and res.decision.explored),
-                    "epsilon": res.decision.epsilon if res.decision else None,
-                    "latency_s": r.latency_s,
-                    "output_tokens": r.output_tokens,
-                    "tokens_per_second": r.tokens_per_second,
-                    "proposed": r.proposed,
-                    "accepted": r.accepted,
-                    "rounds": r.rounds,
-                    "proposed_per_position": r.proposed_per_position,
-                    "accepted_per_position": r.accepted_per_position,
-                    "draft_s": r.draft_s,
-                    "verify_s": r.verify_s,
-                    "finish_reason": res.finish_reason,
-                    "token_ids": r.token_ids,
-                }
-            )
+    return {"lossless": True, "rows": len(results["rows"])}
 
-    target_core = ServingCore(
-        SpecEngine(target, None, eos), tok, make_bandit(cfg), model_id, None, "target"
-    )
-    measure(target_core, "none", "target")
-    reference = {r["prompt_index"]: r["token_ids"] for r in records if r["mode"] == "target"}
-    for draft in drafts:
-        draft_model = models.load_model(refs[draft], cfg.models.dtype, device)
-        state = ws.bench / f"bandit-{draft}.json" if cfg.bench.bandit_state == "persist" else None
-        core = ServingCore(
-            SpecEngine(target, draft_model, eos),
-            tok,
-            make_bandit(cfg),
+
+def measure_all(cfg: Config, ws: Workspace, telemetry, drafts: list[str], rows: list[dict]):
+    """One record per (draft, mode, prompt): target-only first, then each draft's modes."""
+    draft_specs = {"base": cfg.models.draft, "distilled": str(ws.merged)}
+    target = models.load_pair(cfg, ws, None)
+    ids = prompt_ids(cfg, target.tokenizer, rows)
+    model_id = cfg.models.served_name or cfg.models.target
+    records: list[dict] = []
+
+    def core_of(pair: models.Pair, draft: str | None, bandit_cfg=cfg, state=None) -> ServingCore:
+        return ServingCore(
+            pair.engine,
+            pair.tokenizer,
+            make_bandit(bandit_cfg),
             model_id,
             draft,
-            "bandit",
+            "bandit" if draft else "target",
             state_file=state,
         )
+
+    def measure(core: ServingCore, draft: str, mode_text: str, label: str | None = None):
+        records.extend(measure_mode(cfg, telemetry, core, draft, mode_text, ids, rows, label))
+
+    measure(core_of(target, None), "none", "target")
+    for draft in drafts:
+        pair = models.load_pair(cfg, ws, draft_specs[draft], share_target=target)
+        state = ws.bench / f"bandit-{draft}.json" if cfg.bench.bandit_state == "persist" else None
+        core = core_of(pair, draft, state=state)
         for k in cfg.bench.fixed_arms:
             if k > 0:
                 measure(core, draft, f"fixed:{k}")
@@ -162,47 +133,86 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
             seed_cfg = cfg.model_copy(
                 update={"bandit": cfg.bandit.model_copy(update={"explore": "uniform"})}
             )
-            seed_core = ServingCore(
-                core.engine, tok, make_bandit(seed_cfg), model_id, draft, "bandit"
-            )
-            measure(seed_core, draft, "bandit", label="bandit_seed")
-        del draft_model, core
+            measure(core_of(pair, draft, bandit_cfg=seed_cfg), draft, "bandit", "bandit_seed")
+        del pair, core
+    return records
 
-    mismatches = [
-        f"{r['draft']}/{r['mode']} prompt {r['prompt_index']} (task {r['task_id']}): output differs from target-only"
-        f" at token {_first_diff(r['token_ids'], reference[r['prompt_index']])}"
+
+def measure_mode(cfg, telemetry, core, draft, mode_text, ids, rows, label=None) -> list[dict]:
+    """Warm-up requests (excluded from every figure, never feeding the bandit), then every
+    prompt once; one record per prompt."""
+    arms = (
+        core.bandit.arms
+        if mode_text == "bandit"
+        else sorted(set(cfg.bandit.arms) | set(cfg.bench.fixed_arms) | {0})
+    )
+    mode = parse_mode(mode_text, arms, core.has_draft)
+    warm_mode = parse_mode("target", [0], False)
+    for w in range(cfg.bench.warmup_requests):
+        core.generate(ids[w % len(ids)], min(16, cfg.bench.max_new_tokens), warm_mode)
+    label = label or mode.name
+    out = []
+    for i, p in enumerate(tqdm(ids, desc=f"bench {draft}/{label}", unit="req", dynamic_ncols=True)):
+        with telemetry.request(mode, core.draft_id) as rec:
+            res = core.generate(p, cfg.bench.max_new_tokens, mode)
+            rec.record(res)
+        r, d = res.result, res.decision
+        out.append(
+            {
+                "draft": draft,
+                "mode": label,
+                "prompt_index": i,
+                "task_id": rows[i]["task_id"],
+                "arm": r.arm,
+                "warmup": bool(d and d.warmup),
+                "explored": bool(d and d.explored),
+                "epsilon": d.epsilon if d else None,
+                "latency_s": r.latency_s,
+                "output_tokens": r.output_tokens,
+                "tokens_per_second": r.tokens_per_second,
+                "proposed": r.proposed,
+                "accepted": r.accepted,
+                "rounds": r.rounds,
+                "proposed_per_position": r.proposed_per_position,
+                "accepted_per_position": r.accepted_per_position,
+                "draft_s": r.draft_s,
+                "verify_s": r.verify_s,
+                "finish_reason": res.finish_reason,
+                "token_ids": r.token_ids,
+            }
+        )
+    return out
+
+
+def lossless_mismatches(records: list[dict]) -> list[str]:
+    """Every speculative output that differs from the target-only output of its prompt."""
+    reference = {r["prompt_index"]: r["token_ids"] for r in records if r["mode"] == "target"}
+    return [
+        f"{r['draft']}/{r['mode']} prompt {r['prompt_index']} (task {r['task_id']}): output differs"
+        f" from target-only at token {_first_diff(r['token_ids'], reference[r['prompt_index']])}"
         for r in records
         if r["mode"] != "target" and r["token_ids"] != reference[r["prompt_index"]]
     ]
+
+
+def summarise(cfg, ws, drafts, records, mismatches) -> dict[str, Any]:
+    """results.json: rows per (draft, mode), distillation gain, bandit figures, every request."""
     result_rows = report.build_rows(records)
+    acceptance = {(r["draft"], r["mode"]): r["acceptance_rate"] for r in result_rows}
     gains = {}
     for mode in dict.fromkeys(r["mode"] for r in result_rows if r["draft"] == "distilled"):
-        b = next(
-            (
-                r["acceptance_rate"]
-                for r in result_rows
-                if r["draft"] == "base" and r["mode"] == mode
-            ),
-            None,
-        )
-        d = next(
-            (
-                r["acceptance_rate"]
-                for r in result_rows
-                if r["draft"] == "distilled" and r["mode"] == mode
-            ),
-            None,
-        )
+        b, d = acceptance.get(("base", mode)), acceptance.get(("distilled", mode))
         if b is not None and d is not None:
             gains[mode] = {"base": b, "distilled": d, "gain": d - b}
-    results = {
+    device = models.pick_device(cfg.models.device)
+    return {
         "lossless": not mismatches,
         "mismatches": mismatches,
         "environment": environment(cfg, device),
         "protocol": {
-            "prompts": len(ids),
+            "prompts": len({r["prompt_index"] for r in records}),
             "max_new_tokens": cfg.bench.max_new_tokens,
-            "warmup_requests": n_warm,
+            "warmup_requests": cfg.bench.warmup_requests,
             "fixed_arms": cfg.bench.fixed_arms,
             "bandit_arms": cfg.bandit.arms,
             "bandit_state": cfg.bench.bandit_state,
@@ -220,16 +230,6 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
         "position_acceptance": report.position_acceptance(records),
         "requests": [{k: v for k, v in r.items() if k != "token_ids"} for r in records],
     }
-    ws.bench.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(ws.bench / "results.json", results)
-    atomic_write_text(ws.bench / "report.md", report.markdown(results))
-    report.write_plots(results, records, ws.bench)
-    log.info("bench: report at %s\n%s", ws.bench / "report.md", report.markdown(results))
-    if mismatches:
-        raise VerificationError(
-            f"lossless check failed for {len(mismatches)} outputs: " + "; ".join(mismatches[:5])
-        )
-    return {"lossless": True, "rows": len(result_rows)}
 
 
 def _first_diff(a: list[int], b: list[int]) -> int:

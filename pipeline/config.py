@@ -213,6 +213,11 @@ class Config(Section):
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
     retrain: RetrainConfig = Field(default_factory=RetrainConfig)
 
+    def template_kwargs(self) -> dict[str, Any]:
+        """Chat-template switches for every prompt Phoenix renders (Qwen3's enable_thinking)."""
+        t = self.teacher.enable_thinking
+        return {} if t is None else {"enable_thinking": t}
+
     def resolved(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import models, publish
 from .config import Config, dump_config
 from .errors import InputError, VerificationError
 from .workspace import Workspace, atomic_write_json, make_temp_dir, read_jsonl, sha256_file
@@ -25,14 +26,11 @@ log = logging.getLogger(__name__)
 
 
 def verification_inputs(cfg: Config, ws: Workspace, tok) -> list[list[int]]:
-    from . import models
-    from .train import template_kwargs
-
     rows = read_jsonl(ws.test_file) if ws.test_file.exists() else []
     texts = [r["prompt"] for r in rows[: cfg.merge.verify_prompts]] or [
         "Write a function to add two numbers."
     ]
-    out = [models.user_prompt_ids(tok, text, template_kwargs(cfg))[-256:] for text in texts]
+    out = [models.user_prompt_ids(tok, text, cfg.template_kwargs())[-256:] for text in texts]
     return out
 
 
@@ -51,8 +49,6 @@ def max_diff(a, b) -> float:
 
 
 def run(cfg: Config, ws: Workspace) -> dict[str, Any]:
-    from . import models
-
     metrics_file = ws.adapter / "metrics.json"
     trained = ws.adapter / "model"
     if not metrics_file.exists() or not trained.is_dir():
@@ -123,11 +119,9 @@ def run(cfg: Config, ws: Workspace) -> dict[str, Any]:
         ws.merged,
     )
 
-    from . import publish
-
     info["merged_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     info["published"] = publish.publish(cfg, ws, ws.merged)
-    atomic_write_json(ws.root / "merge.json", info)
+    atomic_write_json(ws.merged / "publish.json", info)  # where it went (after the push)
     return info
 
 
@@ -144,19 +138,8 @@ def _replace_dir(new: Path, final: Path) -> None:
 def model_card(cfg: Config, ws: Workspace, metrics: dict, info: dict) -> str:
     manifest_file = ws.data / "manifest.json"
     manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else {}
-    bench_file = ws.bench / "results.json"
-    acceptance = None
-    if bench_file.exists():
-        rows = json.loads(bench_file.read_text()).get("rows", [])
-        acceptance = {
-            f"{r['draft']}/{r['mode']}": r.get("acceptance_rate")
-            for r in rows
-            if r.get("acceptance_rate") is not None
-        }
     t = cfg.train
-    from .models import hub_id_of
-
-    base_model = hub_id_of(
+    base_model = models.hub_id_of(
         cfg.models.target if cfg.models.draft.startswith("cut:") else cfg.models.draft
     )
     lines = [
@@ -195,12 +178,6 @@ def model_card(cfg: Config, ws: Workspace, metrics: dict, info: dict) -> str:
         f"| merge check | max logit diff vs base+adapter {info['verify_max_logit_diff']:.2e} on "
         f"{info['verify_prompts']} held-out prompts |",
     ]
-    if acceptance:
-        lines.append(
-            "| held-out acceptance | "
-            + ", ".join(f"{k}: {v:.3f}" for k, v in acceptance.items())
-            + " |"
-        )
     lines += [
         "",
         "Use it as a draft (assistant) model with its target, e.g. in vLLM's speculative decoding.",

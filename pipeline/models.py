@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import shutil
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 from typing import Any
@@ -91,15 +92,23 @@ def _save_to_cache(model, tok, cache: Path, out: Path, extra: dict[str, str] | N
     return out
 
 
-def user_prompt_ids(tok, text: str, template_kwargs: dict | None = None) -> list[int]:
-    """The token ids a model sees for one user message, generation prompt included."""
+def chat_prompt_ids(tok, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    """The token ids a model sees for a conversation, generation prompt included: the one
+    prompt path, used by the server (and so the local teacher), the bench and training."""
     rendered = tok.apply_chat_template(
-        [{"role": "user", "content": text}],
-        tokenize=False,
-        add_generation_prompt=True,
-        **(template_kwargs or {}),
+        messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
     )
-    return list(tok(rendered, add_special_tokens=False)["input_ids"])
+    return text_prompt_ids(tok, rendered)
+
+
+def user_prompt_ids(tok, text: str, template_kwargs: dict | None = None) -> list[int]:
+    """`chat_prompt_ids` of one user message (an MBPP prompt)."""
+    return chat_prompt_ids(tok, [{"role": "user", "content": text}], template_kwargs)
+
+
+def text_prompt_ids(tok, text: str) -> list[int]:
+    """Plain text (or an already rendered chat) to ids, adding no special tokens."""
+    return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
 def _convert_embedded(name: str, cache: Path) -> Path:
@@ -310,3 +319,70 @@ def load_tokenizer(ref: str):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def eos_ids(tokenizer, model) -> list[int]:
+    """Every id that ends a turn: the generation config's and the tokenizer's."""
+    ids = set()
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+SELF = "self"  # load_pair's draft: the target drafting for itself (every guess accepted)
+
+
+@dataclass
+class Pair:
+    """A loaded target (+ draft) with its tokenizer and the engine over them."""
+
+    tokenizer: Any
+    engine: Any  # speculative.engine.SpeculativeEngine
+    target_ref: str
+    draft_ref: str | None  # None: target only; SELF: the target drafts for itself
+
+    @property
+    def target(self):
+        return self.engine.target
+
+    @property
+    def draft(self):
+        return self.engine.draft
+
+
+def load_pair(cfg, ws, draft: str | None, share_target: Pair | None = None) -> Pair:
+    """The one loader: target, draft, tokenizer and engine per config, for the server, the bench
+    and every benchmark script. `draft`: a spec (`cfg.models.draft`, a merged directory, `cut:N`),
+    None (target only), or SELF. `share_target`: take the target and tokenizer of a pair already
+    loaded (the bench measures several drafts against one target)."""
+    from .speculative.engine import SpeculativeEngine
+
+    m = cfg.models
+    device = pick_device(m.device)
+    if share_target is not None:
+        target_ref, tok, target = (
+            share_target.target_ref,
+            share_target.tokenizer,
+            share_target.target,
+        )
+    else:
+        target_ref = resolve(m.target, ws.models_cache)
+        tok = load_tokenizer(target_ref)
+        target = load_model(target_ref, m.dtype, device)
+    if draft == SELF:
+        draft_ref, draft_model = SELF, target
+    elif draft:
+        draft_ref = resolve(draft, ws.models_cache, target_ref=target_ref)
+        draft_model = load_model(draft_ref, m.dtype, device)
+    else:
+        draft_ref, draft_model = None, None
+    engine = SpeculativeEngine(
+        target, draft_model, eos_token_ids=eos_ids(tok, target), pad_token_id=tok.pad_token_id
+    )
+    return Pair(tok, engine, target_ref, draft_ref)

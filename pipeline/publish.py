@@ -12,28 +12,20 @@ from typing import Any
 
 from .config import Config
 from .errors import ConfigError, PhoenixError
-from .workspace import Workspace, atomic_write_json, make_temp_dir, sha256_file
+from .workspace import (
+    Workspace,
+    atomic_write_json,
+    content_hash,
+    make_temp_dir,
+    new_run_id,
+)
 
 log = logging.getLogger(__name__)
 
 
-def run_id() -> str:
-    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-
-
-def content_hash(folder: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
-        h.update(f.relative_to(folder).as_posix().encode())
-        h.update(sha256_file(f).encode())
-    return h.hexdigest()
-
-
 def publish(cfg: Config, ws: Workspace, folder: Path, rid: str | None = None) -> dict[str, Any]:
     p = cfg.publish
-    rid = rid or run_id()
+    rid = rid or new_run_id()
     files = sorted(str(f.relative_to(folder)) for f in folder.rglob("*") if f.is_file())
     if p.target == "none":
         return {"target": "none"}
@@ -101,7 +93,8 @@ def push_hub(cfg: Config, folder: Path, rid: str) -> dict[str, Any]:
         raise ConfigError(
             f"publish.target is hub but the environment variable {p.token_env} is not set"
         )
-    api = HfApi(token=token)
+    # HF_ENDPOINT (another Hub deployment) read at call time, not at huggingface_hub's import.
+    api = HfApi(token=token, endpoint=os.environ.get("HF_ENDPOINT") or None)
     attempt = 0
     while True:
         try:

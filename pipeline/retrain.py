@@ -24,9 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import publish
 from .config import Config
 from .errors import GateRejected, InputError
-from .workspace import Workspace, atomic_write_json, sha256_file
+from .workspace import Workspace, atomic_write_json, content_hash, new_run_id, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +50,8 @@ STAGE_OUTPUTS = {
 }
 
 
-def new_run_id() -> str:
-    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-
-
 def path_hash(path: Path) -> str | None:
     """sha256 of a file, or of a directory's files (names and contents); None if absent."""
-    from .publish import content_hash
-
     if path.is_file():
         return sha256_file(path)
     return content_hash(path) if path.is_dir() else None
@@ -179,14 +174,12 @@ def run(cfg: Config, root: Path, telemetry, resume: str | None = None) -> dict[s
 
 
 def promote_or_reject(cfg: Config, root: Path, ws: Workspace, run_id: str) -> dict[str, Any]:
-    from . import publish
-
-    results = json.loads((ws.bench / "results.json").read_text())
+    results = json.loads(ws.bench_results.read_text())
     mode = cfg.retrain.gate_mode
     new = gate_metric(results, "distilled", mode)
     current = current_run(root)
     if current is not None and current != run_id:
-        old_results = json.loads((root / "runs" / current / "bench" / "results.json").read_text())
+        old_results = json.loads(Workspace(root / "runs" / current).bench_results.read_text())
         old, against = gate_metric(old_results, "distilled", mode), f"promoted run {current}"
     else:
         old, against = gate_metric(results, "base", mode), "the base draft"

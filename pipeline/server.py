@@ -32,7 +32,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .spec.core import Cancelled, CoreResult, ModeError, ServingCore
+from .serving import Cancelled, CoreResult, ModeError, ServingCore, build_core
+from .telemetry import NullTelemetry, setup_telemetry
 
 log = logging.getLogger(__name__)
 
@@ -386,7 +387,10 @@ async def _complete(request: Request, req: CommonRequest, prompt_ids: list[int],
         )
 
     def work(on_text, cancel) -> CoreResult:
-        return st.telemetry.request(core, prompt_ids, max_tokens, mode, req.stop, on_text, cancel)
+        with st.telemetry.request(mode, core.draft_id) as rec:
+            res = core.generate(prompt_ids, max_tokens, mode, req.stop, on_text, cancel)
+            rec.record(res)
+        return res
 
     job = Job(st, asyncio.get_running_loop(), work, streaming=req.stream)
     job.start(request)
@@ -516,8 +520,6 @@ def create_app(
     shutdown_timeout_s: float = 10.0,
 ) -> FastAPI:
     """`load_core` runs in a background thread at start-up; /health says 503 until it is done."""
-    from .telemetry import NullTelemetry
-
     st = ServerState(
         telemetry=telemetry or NullTelemetry(),
         admission=Admission(queue_size),
@@ -617,9 +619,6 @@ def phoenix_of(res: CoreResult) -> dict:
 
 
 def serve(cfg, ws, host: str | None, port: int | None, mode: str | None) -> None:
-    from .spec.core import build_core
-    from .telemetry import setup_telemetry
-
     mode = mode or cfg.server.mode
     telemetry = setup_telemetry(cfg, component="server")
     app = create_app(

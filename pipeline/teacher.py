@@ -435,8 +435,8 @@ def _answer_all(
     )
     client.wait_ready(model, t.ready_timeout_s)
     extra: dict[str, Any] = {}
-    if t.enable_thinking is not None:
-        extra["chat_template_kwargs"] = {"enable_thinking": t.enable_thinking}
+    if cfg.template_kwargs():
+        extra["chat_template_kwargs"] = cfg.template_kwargs()
     ws.teacher.mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
     t0 = time.perf_counter()

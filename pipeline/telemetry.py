@@ -24,15 +24,23 @@ from .errors import ConfigError
 log = logging.getLogger(__name__)
 
 
+class NullRecorder:
+    """What `telemetry.request` yields: `record(result)` once the request has run."""
+
+    def record(self, res) -> None:
+        pass
+
+
 class NullTelemetry:
     """Same methods as SentryTelemetry; records nothing."""
 
     enabled = False
 
-    def request(self, core, prompt_ids, max_tokens, mode, stop=None, on_text=None, cancel=None):
-        return core.generate(
-            prompt_ids, max_tokens, mode, stop=stop, on_text=on_text, cancel=cancel
-        )
+    @contextlib.contextmanager
+    def request(self, mode, draft_id: str | None = None) -> Iterator[NullRecorder]:
+        """Around one request: `with telemetry.request(mode, draft) as rec: res = ...;
+        rec.record(res)`. The request runs in the caller, never in here."""
+        yield NullRecorder()
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[dict[str, Any]]:
@@ -42,6 +50,66 @@ class NullTelemetry:
         pass
 
 
+class SentryRecorder(NullRecorder):
+    """Puts one request's figures on its transaction: the draft/verify split as two child spans
+    of `phoenix.generate`, data, tags, and structured logs."""
+
+    def __init__(self, sdk, tx, gen, mode):
+        self.sdk, self.tx, self.gen, self.mode = sdk, tx, gen, mode
+        self.started = datetime.now(timezone.utc)
+
+    def record(self, res) -> None:
+        r, tx = res.result, self.tx
+        # The engine interleaves draft and verify work per round; it returns the totals, laid
+        # out here as two back-to-back child spans so a trace shows the split.
+        t0 = self.started
+        for op, name, secs in (
+            ("phoenix.draft", "draft candidate generation", r.draft_s),
+            ("phoenix.verify", "target verification", r.verify_s),
+        ):
+            if secs > 0:
+                span = self.gen.start_child(op=op, name=name, start_timestamp=t0)
+                t0 = t0 + timedelta(seconds=secs)
+                span.set_data("seconds", secs)
+                span.finish(end_timestamp=t0)
+        tx.set_tag("arm", str(r.arm))
+        data = {
+            "latency_seconds": r.latency_s,
+            "output_tokens": r.output_tokens,
+            "prompt_tokens": r.prompt_tokens,
+            "tokens_per_second": r.tokens_per_second,
+            "draft_accepted": r.accepted,
+            "draft_proposed": r.proposed,
+            "acceptance": r.acceptance,
+            "draft_seconds": r.draft_s,
+            "verify_seconds": r.verify_s,
+            "finish_reason": res.finish_reason,
+        }
+        for key, value in data.items():
+            tx.set_data(key, value)
+        self.sdk.logger.info(
+            "request mode={mode} arm={arm} latency={latency:.3f}s tokens/s={tps:.2f} accepted={accepted}/{proposed}",
+            mode=self.mode.name,
+            arm=r.arm,
+            latency=r.latency_s,
+            tps=r.tokens_per_second,
+            accepted=r.accepted,
+            proposed=r.proposed,
+        )
+        if res.decision is not None:
+            d = res.decision
+            self.sdk.logger.info(
+                "bandit decision arm={arm} explored={explored} epsilon={epsilon:.4f}",
+                arm=d.arm,
+                explored=d.explored,
+                epsilon=d.epsilon,
+                attributes={
+                    "warmup": d.warmup,
+                    "means": str({a: round(m, 3) for a, m in d.means.items()}),
+                },
+            )
+
+
 class SentryTelemetry(NullTelemetry):
     enabled = True
 
@@ -49,66 +117,13 @@ class SentryTelemetry(NullTelemetry):
         self.sdk = sentry_sdk
         self.shutdown_timeout_s = shutdown_timeout_s
 
-    def request(self, core, prompt_ids, max_tokens, mode, stop=None, on_text=None, cancel=None):
-        sdk = self.sdk
-        with sdk.start_transaction(op="phoenix.request", name=mode.name) as tx:
+    @contextlib.contextmanager
+    def request(self, mode, draft_id: str | None = None) -> Iterator[SentryRecorder]:
+        with self.sdk.start_transaction(op="phoenix.request", name=mode.name) as tx:
             tx.set_tag("mode", mode.name)
-            tx.set_tag("draft_model", core.draft_id or "none")
-            started = datetime.now(timezone.utc)
+            tx.set_tag("draft_model", draft_id or "none")
             with tx.start_child(op="phoenix.generate", name="speculative generation") as gen:
-                res = core.generate(
-                    prompt_ids, max_tokens, mode, stop=stop, on_text=on_text, cancel=cancel
-                )
-                r = res.result
-                # The engine interleaves draft and verify work per round; it returns the totals,
-                # laid out here as two back-to-back child spans so a trace shows the split.
-                t0 = started
-                for op, name, secs in (
-                    ("phoenix.draft", "draft candidate generation", r.draft_s),
-                    ("phoenix.verify", "target verification", r.verify_s),
-                ):
-                    if secs > 0:
-                        span = gen.start_child(op=op, name=name, start_timestamp=t0)
-                        t0 = t0 + timedelta(seconds=secs)
-                        span.set_data("seconds", secs)
-                        span.finish(end_timestamp=t0)
-            tx.set_tag("arm", str(r.arm))
-            data = {
-                "latency_seconds": r.latency_s,
-                "output_tokens": r.output_tokens,
-                "prompt_tokens": r.prompt_tokens,
-                "tokens_per_second": r.tokens_per_second,
-                "draft_accepted": r.accepted,
-                "draft_proposed": r.proposed,
-                "acceptance": r.acceptance,
-                "draft_seconds": r.draft_s,
-                "verify_seconds": r.verify_s,
-                "finish_reason": res.finish_reason,
-            }
-            for key, value in data.items():
-                tx.set_data(key, value)
-            sdk.logger.info(
-                "request mode={mode} arm={arm} latency={latency:.3f}s tokens/s={tps:.2f} accepted={accepted}/{proposed}",
-                mode=mode.name,
-                arm=r.arm,
-                latency=r.latency_s,
-                tps=r.tokens_per_second,
-                accepted=r.accepted,
-                proposed=r.proposed,
-            )
-            if res.decision is not None:
-                d = res.decision
-                sdk.logger.info(
-                    "bandit decision arm={arm} explored={explored} epsilon={epsilon:.4f}",
-                    arm=d.arm,
-                    explored=d.explored,
-                    epsilon=d.epsilon,
-                    attributes={
-                        "warmup": d.warmup,
-                        "means": str({a: round(m, 3) for a, m in d.means.items()}),
-                    },
-                )
-        return res
+                yield SentryRecorder(self.sdk, tx, gen, mode)
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[dict[str, Any]]:

@@ -19,9 +19,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from . import models
 from .config import Config
 from .errors import InputError
-from .models import user_prompt_ids
 from .workspace import (
     Workspace,
     atomic_write_json,
@@ -43,7 +43,7 @@ def build_examples(
     eos = tokenizer.eos_token_id
     rows = []
     for a in answers:
-        p_ids = user_prompt_ids(tokenizer, a["prompt"], template_kwargs)
+        p_ids = models.user_prompt_ids(tokenizer, a["prompt"], template_kwargs)
         c_ids = a.get("completion_token_ids")
         if c_ids is None:
             c_ids = tokenizer(a["completion"], add_special_tokens=False)["input_ids"]
@@ -63,19 +63,15 @@ def train_inputs(cfg: Config, ws: Workspace) -> dict[str, Any]:
         "draft": cfg.models.draft,
         "target": cfg.models.target,
         "train": cfg.train.model_dump(mode="json"),
-        "template_kwargs": template_kwargs(cfg),
+        "template_kwargs": cfg.template_kwargs(),
     }
 
 
-def template_kwargs(cfg: Config) -> dict:
-    t = cfg.teacher.enable_thinking
-    return {} if t is None else {"enable_thinking": t}
-
-
-def _is_main_process() -> bool:
+def _process_state():
+    """accelerate's view of this process (main or not) under torchrun / accelerate launch."""
     from accelerate import PartialState
 
-    return PartialState().is_main_process
+    return PartialState()
 
 
 def run(cfg: Config, ws: Workspace, force: bool = False) -> dict[str, Any]:
@@ -99,10 +95,10 @@ def run(cfg: Config, ws: Workspace, force: bool = False) -> dict[str, Any]:
             return done
     previous = json.loads(inputs_file.read_text()) if inputs_file.exists() else None
     if force or previous != inputs:
-        if ws.adapter.exists() and _is_main_process():
+        if ws.adapter.exists() and _process_state().is_main_process:
             log.info("train: inputs changed or --force: starting over in %s", ws.adapter)
             shutil.rmtree(ws.adapter)
-    if _is_main_process():
+    if _process_state().is_main_process:
         atomic_write_json(inputs_file, inputs)
     return _train(cfg, ws, answers, inputs)
 
@@ -126,12 +122,10 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from . import models
-
     t = cfg.train
-    from accelerate import PartialState
-
-    with PartialState().main_process_first():  # one process materialises the draft, others reuse it
+    with (
+        _process_state().main_process_first()
+    ):  # one process materialises the draft, others reuse it
         _, draft_ref = models.resolve_pair(cfg.models.target, cfg.models.draft, ws.models_cache)
     tok = models.load_tokenizer(draft_ref)
     on_gpu = torch.cuda.is_available() and cfg.models.device in ("auto", "cuda")
@@ -139,7 +133,7 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
         draft_ref, "bfloat16" if on_gpu else "float32", "cuda" if on_gpu else "cpu"
     )
     model.config.use_cache = False
-    rows = build_examples(answers, tok, template_kwargs(cfg), t.max_length)
+    rows = build_examples(answers, tok, cfg.template_kwargs(), t.max_length)
     if not rows:
         raise InputError("no usable training examples: every prompt exceeds train.max_length")
     dataset = Dataset.from_list(rows)

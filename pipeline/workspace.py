@@ -62,6 +62,10 @@ class Workspace:
         return self.root / "bench"
 
     @property
+    def bench_results(self) -> Path:
+        return self.bench / "results.json"
+
+    @property
     def state(self) -> Path:
         return self.root / "state"
 
@@ -164,6 +168,21 @@ def make_temp_dir(parent: str | Path, prefix: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     tmp.chmod(0o755)
     return tmp
+
+
+def new_run_id() -> str:
+    """A UTC timestamp to the microsecond: unique per run, and sorts by start time."""
+    now = time.time()
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f"{int(now % 1 * 1e6):06d}Z"
+
+
+def content_hash(folder: Path) -> str:
+    """One sha256 over a directory's files (relative names and contents)."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+        h.update(f.relative_to(folder).as_posix().encode())
+        h.update(sha256_file(f).encode())
+    return h.hexdigest()
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:

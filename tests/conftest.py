@@ -1,12 +1,17 @@
-"""Shared fixtures: tiny models built from a config (never downloaded), the MBPP file."""
+"""Shared fixtures: tiny models built from a config (never downloaded), the MBPP file, and
+workspaces built once per session (split + distill, trained, merged) that tests copy."""
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,6 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 MBPP = ROOT.parent / "shared" / "data" / "mbpp.jsonl"
 TINY_TARGET = "tiny:layers=2,hidden=64,seed=0"
+CI = ("--config", "configs/ci.yaml")
 
 torch.set_num_threads(2)
 
@@ -49,6 +55,73 @@ def mbpp_path() -> Path:
     if not MBPP.is_file():
         pytest.skip(f"{MBPP} not present")
     return MBPP
+
+
+@dataclass
+class CliResult:
+    returncode: int
+    log: str  # what the run logged: its stderr when run as a process
+
+
+@pytest.fixture
+def cli(caplog):
+    """`python -m pipeline ARGS` in this process: the command line's own code path (config,
+    lock, stage, exit code), without paying an interpreter and a torch import per call. Each
+    stage has one test that runs it as a real process too."""
+    from pipeline.__main__ import main
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    caplog.set_level(logging.INFO)
+
+    def run(*args: str) -> CliResult:
+        caplog.clear()
+        code = main([str(a) for a in args])
+        return CliResult(code, caplog.text)
+
+    yield run
+    for sig, handler in saved.items():  # main() installs its own
+        signal.signal(sig, handler)
+
+
+def build_workspace(art: Path, stages: tuple[str, ...], overrides: tuple[str, ...] = ()) -> Path:
+    """Run stages of configs/ci.yaml in process (stage functions, no command line)."""
+    from pipeline import merge, split, teacher, train
+    from pipeline.config import load_config
+    from pipeline.workspace import Workspace
+
+    if not MBPP.is_file():
+        pytest.skip(f"{MBPP} not present")
+    cfg = load_config("configs/ci.yaml", list(overrides))
+    ws = Workspace(art)
+    steps = {"split": split.run, "distill": teacher.run, "train": train.run, "merge": merge.run}
+    for stage in stages:
+        steps[stage](cfg, ws)
+    return art
+
+
+def copy_workspace(src: Path, dst: Path) -> Path:
+    """A private copy of a session workspace, for a test that changes it."""
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def distilled_ws(tmp_path_factory) -> Path:
+    """split, then `python -m pipeline distill` on configs/ci.yaml (the local tiny teacher), once
+    per session: the command-line end-to-end run of distill that test_teacher checks."""
+    if not MBPP.is_file():
+        pytest.skip(f"{MBPP} not present")
+    art = build_workspace(tmp_path_factory.mktemp("distilled"), ("split",))
+    r = run_cli("distill", *CI, "--artifacts", str(art))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return art
+
+
+@pytest.fixture(scope="session")
+def merged_ws(distilled_ws, tmp_path_factory) -> Path:
+    """distilled_ws, then train (full, ci.yaml, one epoch) and merge, once per session."""
+    art = copy_workspace(distilled_ws, tmp_path_factory.mktemp("merged") / "art")
+    return build_workspace(art, ("train", "merge"), ("train.epochs=1",))
 
 
 def free_port() -> int:

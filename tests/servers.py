@@ -10,9 +10,9 @@ import time
 
 import uvicorn
 
-from pipeline.spec.bandit import EpsilonGreedy
-from pipeline.spec.core import ServingCore
-from pipeline.spec.engine import SpecEngine
+from pipeline.serving import ServingCore
+from pipeline.speculative.bandit import EpsilonGreedy
+from pipeline.speculative.engine import SpeculativeEngine
 from tests.conftest import free_port
 
 
@@ -41,7 +41,7 @@ class ServerThread:
 
 def tiny_core(tiny_models, state_file=None, mode="bandit", seed=0, max_batch=1) -> ServingCore:
     tok, target, draft = tiny_models
-    engine = SpecEngine(target, draft, [tok.eos_token_id])
+    engine = SpeculativeEngine(target, draft, [tok.eos_token_id])
     bandit = EpsilonGreedy([0, 2, 4, 6, 8], random.Random(seed))
     return ServingCore(
         engine,

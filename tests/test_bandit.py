@@ -1,8 +1,13 @@
+import contextlib
 import json
 import random
+import sys
 import threading
+import time
 
-from pipeline.spec.bandit import EpsilonGreedy, load_bandit, save_bandit
+import pytest
+
+from pipeline.speculative.bandit import EpsilonGreedy, load_bandit, save_bandit
 
 ARMS = [0, 2, 4, 6, 8]
 
@@ -72,19 +77,64 @@ def test_state_roundtrip_and_corrupt_file(tmp_path):
     assert load_bandit(make(), path) == "corrupt"
 
 
-def test_thread_safe_updates():
+class SlowHashArm(int):
+    """An arm id equal to its int, whose hashing runs Python code. On CPython with the GIL,
+    update() on plain ints and floats runs no Python code inside its body, so the interpreter
+    never switches threads there and a missing lock would go unnoticed. Every dict access with
+    this key (each `counts[arm] += 1` reads and writes) is a point where the interpreter may
+    switch, as free-threaded Python may anywhere."""
+
+    def __hash__(self):
+        return int.__hash__(self)
+
+
+def hammer(bandit, threads=4, min_switches=300, limit_s=20.0):
+    """Threads update arm 2 (thread i with reward i) until the interpreter has switched between
+    them at least `min_switches` times; returns how many updates each thread made."""
+    arm = SlowHashArm(2)
+    calls = [0] * threads
+    last, switches = [None], [0]  # racy on purpose: only a rough count of interleavings
+    deadline = time.monotonic() + limit_s
+
+    def work(i):
+        while switches[0] < min_switches and time.monotonic() < deadline:
+            if last[0] != i:
+                last[0] = i
+                switches[0] += 1
+            bandit.update(arm, float(i))
+            calls[i] += 1
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert switches[0] >= min_switches, "the threads hardly interleaved: nothing was tested"
+    return calls
+
+
+def test_concurrent_updates_lose_nothing():
     b = make()
+    calls = hammer(b)
+    n = sum(calls)
+    mean = sum(i * c for i, c in enumerate(calls)) / n
+    m2 = sum(c * (i - mean) ** 2 for i, c in enumerate(calls))
+    assert b.counts == {0: 0, 2: n, 4: 0, 6: 0, 8: 0}
+    assert b.means[2] == pytest.approx(mean, rel=1e-9)
+    assert b.m2[2] == pytest.approx(m2, rel=1e-6)
 
-    def work():
-        for _ in range(1000):
-            b.update(2, 1.0)
 
-    threads = [threading.Thread(target=work) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert b.counts[2] == 4000 and abs(b.means[2] - 1.0) < 1e-9
+def test_without_the_lock_the_race_is_observable():
+    """The test above has teeth: with the lock replaced by a no-op, updates get lost."""
+    b = make()
+    b._lock = contextlib.nullcontext()
+    calls = hammer(b)
+    assert b.counts[2] < sum(calls)
 
 
 def test_plausible_exploration_skips_clearly_worse_arms():

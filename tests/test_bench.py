@@ -1,13 +1,13 @@
 import json
 import shutil
-import signal
 import subprocess
 import sys
 
 import pytest
 
 from pipeline.report import aggregate, bandit_summary, build_rows, percentile, position_acceptance
-from tests.conftest import run_cli, start_serve
+from tests.conftest import CI, copy_workspace, run_cli, wait_http
+from tests.servers import ServerThread
 
 
 def rec(draft, mode, i, arm, lat, toks, prop=0, acc=0, rounds=1, warmup=False, pos=None):
@@ -76,23 +76,13 @@ def test_position_acceptance_and_bandit_summary():
     )
 
 
-@pytest.fixture(scope="module")
-def merged_ws(tmp_path_factory):
-    from tests.conftest import MBPP
-
-    if not MBPP.is_file():
-        pytest.skip("MBPP not present")
-    art = tmp_path_factory.mktemp("bench")
-    for stage in ("split", "distill", "train", "merge"):
-        r = run_cli(stage, "--config", "configs/ci.yaml", "--artifacts", str(art))
-        assert r.returncode == 0, (stage, r.stderr[-2000:])
-    return art
-
-
-def test_bench_ci_end_to_end(merged_ws):
-    r = run_cli("bench", "--config", "configs/ci.yaml", "--artifacts", str(merged_ws))
+def test_bench_ci_end_to_end(merged_ws, tmp_path):
+    """bench's command-line end-to-end test: a real process on the session's merged workspace."""
+    art = copy_workspace(merged_ws, tmp_path / "art")
+    sets = ["--set", "bench.prompts=12", "--set", "bench.max_new_tokens=16"]
+    r = run_cli("bench", *CI, "--artifacts", str(art), *sets)
     assert r.returncode == 0, r.stderr[-3000:]
-    bench = merged_ws / "bench"
+    bench = art / "bench"
     results = json.loads((bench / "results.json").read_text())
     assert results["lossless"] is True and results["mismatches"] == []
     assert {"device", "dtype", "threads", "torch", "transformers", "hardware"} <= set(
@@ -107,7 +97,7 @@ def test_bench_ci_end_to_end(merged_ws):
         ("distilled", "bandit"),
     }
     for row in results["rows"]:
-        assert row["requests"] == 16 and row["tokens_per_second"] > 0
+        assert row["requests"] == 12 and row["tokens_per_second"] > 0
         assert {
             "mean_latency_s",
             "p50_latency_s",
@@ -120,8 +110,8 @@ def test_bench_ci_end_to_end(merged_ws):
         assert (row["acceptance_rate"] is None) == (row["mode"] == "target")
         assert (row["arm_counts"] is not None) == (row["mode"] == "bandit")
         if row["mode"] == "bandit":
-            assert sum(row["arm_counts"].values()) == 16
-    assert len(results["requests"]) == 5 * 16
+            assert sum(row["arm_counts"].values()) == 12
+    assert len(results["requests"]) == 5 * 12
     assert set(results["position_acceptance"]) == {"base", "distilled"}
     # The distilled draft was trained on this target's answers: it must agree with it more often.
     gain = results["distillation_gain"]["fixed_4"]
@@ -132,27 +122,22 @@ def test_bench_ci_end_to_end(merged_ws):
         assert (bench / png).read_bytes()[:4] == b"\x89PNG"
 
 
-def test_bench_base_only_and_missing_distilled(merged_ws, tmp_path):
+def test_bench_base_only_and_missing_distilled(merged_ws, tmp_path, cli):
     art = tmp_path / "art"
     shutil.copytree(merged_ws, art, ignore=shutil.ignore_patterns("merged", "bench"))
-    r = run_cli("bench", "--config", "configs/ci.yaml", "--artifacts", str(art))
-    assert r.returncode == 2 and "--draft base" in r.stderr
-    r = run_cli(
+    r = cli("bench", *CI, "--artifacts", art)
+    assert r.returncode == 2 and "--draft base" in r.log
+    sets = ["bench.prompts=3", "bench.fixed_arms=[2,8]", "bench.seed_bandit=true"]
+    r = cli(
         "bench",
-        "--config",
-        "configs/ci.yaml",
+        *CI,
         "--artifacts",
-        str(art),
+        art,
         "--draft",
         "base",
-        "--set",
-        "bench.prompts=3",
-        "--set",
-        "bench.fixed_arms=[2,8]",
-        "--set",
-        "bench.seed_bandit=true",
+        *[x for s in sets for x in ("--set", s)],
     )
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.returncode == 0, r.log[-2000:]
     results = json.loads((art / "bench" / "results.json").read_text())
     assert [(x["draft"], x["mode"]) for x in results["rows"]] == [
         ("none", "target"),
@@ -176,13 +161,13 @@ def test_lossless_violation_is_reported_and_fails(merged_ws, tmp_path, monkeypat
     from pipeline import bench
     from pipeline.config import load_config
     from pipeline.errors import VerificationError
-    from pipeline.spec.engine import SpecEngine
+    from pipeline.speculative.engine import SpeculativeEngine
     from pipeline.telemetry import NullTelemetry
     from pipeline.workspace import Workspace
 
     art = tmp_path / "art"
     shutil.copytree(merged_ws, art, ignore=shutil.ignore_patterns("bench"))
-    real = SpecEngine.generate
+    real = SpeculativeEngine.generate
 
     def corrupt(self, prompt_ids, k, max_new_tokens, **kw):
         res = real(self, prompt_ids, k, max_new_tokens, **kw)
@@ -190,7 +175,7 @@ def test_lossless_violation_is_reported_and_fails(merged_ws, tmp_path, monkeypat
             res.token_ids[-1] = (res.token_ids[-1] + 1) % 200
         return res
 
-    monkeypatch.setattr(SpecEngine, "generate", corrupt)
+    monkeypatch.setattr(SpeculativeEngine, "generate", corrupt)
     cfg = load_config("configs/ci.yaml", ["bench.prompts=2", "bench.drafts=[base]"])
     with pytest.raises(VerificationError, match="lossless check failed"):
         bench.run(cfg, Workspace(art), NullTelemetry())
@@ -199,33 +184,27 @@ def test_lossless_violation_is_reported_and_fails(merged_ws, tmp_path, monkeypat
     assert "Lossless: **NO**" in (art / "bench" / "report.md").read_text()
 
 
-def test_load_mode_against_a_running_server(merged_ws, tmp_path):
-    proc, url = start_serve(merged_ws, mode="fixed:2")
-    try:
-        r = run_cli(
-            "bench",
-            "--config",
-            "configs/ci.yaml",
-            "--artifacts",
-            str(merged_ws),
-            "--load",
-            "--url",
-            url,
-            "--clients",
-            "3",
-            "--requests",
-            "9",
-        )
-        assert r.returncode == 0, r.stderr[-2000:]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=60)
-    load = json.loads((merged_ws / "bench" / "load.json").read_text())
+def test_load_mode_against_a_running_server(merged_ws, tmp_path, cli):
+    from pipeline.config import load_config
+    from pipeline.server import create_app
+    from pipeline.serving import build_core
+    from pipeline.workspace import Workspace
+
+    art = copy_workspace(merged_ws, tmp_path / "art")
+    cfg = load_config("configs/ci.yaml")
+    app = create_app(lambda: build_core(cfg, Workspace(art), mode="fixed:2"))
+    with ServerThread(app) as s:
+        wait_http(s.url + "/health")
+        args = ["--load", "--url", s.url, "--clients", "3", "--requests", "9"]
+        r = cli("bench", *CI, "--artifacts", art, *args)
+        assert r.returncode == 0, r.log[-2000:]
+    load = json.loads((art / "bench" / "load.json").read_text())
     assert load["requests"] == 9 and load["errors"] == 0
     assert load["succeeded"] + load["rate_limited_429"] == 9 and load["succeeded"] > 0
     assert load["p95_latency_s"] >= load["p50_latency_s"] > 0
 
 
+@pytest.mark.slow
 def test_performance_benchmark_reports_the_three_figures(merged_ws, tmp_path):
     """benchmarks/performance.py end to end on the tiny models (a smoke run: figures exist and
     add up; their values are this machine's business, shown in its output)."""

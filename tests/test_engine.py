@@ -1,6 +1,10 @@
-import pytest
+import types
 
-from pipeline.spec.engine import SpecEngine
+import pytest
+import torch
+
+from pipeline.models import user_prompt_ids
+from pipeline.speculative.engine import SpeculativeEngine
 
 PROMPTS = [
     "Write a function to add two numbers.",
@@ -10,17 +14,14 @@ PROMPTS = [
 
 
 def ids_for(tok, text):
-    rendered = tok.apply_chat_template(
-        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-    )
-    return tok(rendered, add_special_tokens=False)["input_ids"]
+    return user_prompt_ids(tok, text)
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_models):
     tok, target, draft = tiny_models
     eos = [tok.eos_token_id]
-    return tok, SpecEngine(target, draft, eos), SpecEngine(target, target, eos)
+    return tok, SpeculativeEngine(target, draft, eos), SpeculativeEngine(target, target, eos)
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 6, 8])
@@ -75,6 +76,103 @@ def test_counts_are_consistent(engines):
     assert c.output_tokens <= 40 and c.latency_s >= c.draft_s + c.verify_s - 1e-3
 
 
+SCRIPT_K = 4
+SCRIPT_TOKENS = 24
+
+
+class ScriptedDraft(torch.nn.Module):
+    """A draft whose proposals follow a script (nanochat's MockModel, but with a real cache).
+
+    It runs the real tiny draft, so its KV cache is genuinely filled (with rejected proposals
+    too) and must genuinely be cropped, then replaces the logits: in every round the first
+    `agree` proposals are the target's true next token and every later one is wrong. `truth`
+    is prompt + the target's greedy output, so `truth[p]` is the right token at position p.
+
+    A call continues the current round iff it feeds exactly the token proposed last, at the
+    position it was proposed for; any other call is the catch-up that opens a new round. At
+    every catch-up the cache must hold true tokens only: a rejected proposal left in it means
+    the engine did not crop the draft's cache."""
+
+    def __init__(self, inner: torch.nn.Module, truth: list[int], agree: int):
+        super().__init__()
+        self.inner = inner
+        self.config = inner.config
+        self.truth = truth
+        self.agree = agree
+        self.proposals: list[int] = []  # proposals made, per round with draft work
+        self._cache = None
+        self._cached: list[int] = []  # the tokens this draft's cache holds, by position
+        self._last: tuple[int, int] | None = None  # (position, token) of the last proposal
+
+    def forward(self, input_ids, cache, logits_to_keep=0, **kwargs):
+        fed = input_ids[0].tolist()
+        start = cache.get_seq_length()
+        if cache is not self._cache:  # a new generation
+            self._cache, self._cached, self._last = cache, [], None
+        if len(fed) == 1 and self._last == (start, fed[0]):
+            assert start == len(self._cached), "the draft's cache changed inside a round"
+        else:
+            assert start <= len(self._cached)
+            assert self._cached[:start] == self.truth[:start], "a rejected token stayed cached"
+            assert fed == self.truth[start : start + len(fed)], "catch-up fed a wrong token"
+            self.proposals.append(0)
+        self._cached = self._cached[:start] + fed
+        out = self.inner(input_ids=input_ids, cache=cache, logits_to_keep=logits_to_keep, **kwargs)
+        pos = start + len(fed)  # the position this call proposes a token for
+        right = self.truth[pos]
+        tok = right if self.proposals[-1] < self.agree else (right + 1) % self.config.vocab_size
+        self.proposals[-1] += 1
+        self._last = (pos, tok)
+        logits = torch.zeros_like(out.logits)
+        logits[0, -1, tok] = 1.0
+        return types.SimpleNamespace(logits=logits)
+
+
+@pytest.fixture(scope="module")
+def script_reference(engines):
+    tok, cut, _ = engines
+    ids = ids_for(tok, PROMPTS[0])
+    ref = cut.generate(ids, 0, SCRIPT_TOKENS)
+    # The script needs the target's token at every position a round can propose for.
+    assert ref.finish_reason == "length" and ref.output_tokens == SCRIPT_TOKENS
+    return ids, ref
+
+
+@pytest.mark.parametrize("agree", range(SCRIPT_K + 1))
+def test_scripted_draft_partial_acceptance_for_every_prefix_length(
+    tiny_models, script_reference, agree
+):
+    """A draft right for exactly `agree` tokens of each round: the engine accepts exactly
+    those, commits the target's correction, crops both caches, and its output is still the
+    target's own (agree == SCRIPT_K: every round is accepted in full)."""
+    tok, target, draft = tiny_models
+    ids, ref = script_reference
+    scripted = ScriptedDraft(draft, ids + ref.token_ids, agree)
+    engine = SpeculativeEngine(target, scripted, [tok.eos_token_id])
+    chunks: list[list[int]] = []
+    r = engine.generate(ids, SCRIPT_K, SCRIPT_TOKENS, on_tokens=chunks.append)
+    assert r.token_ids == ref.token_ids and r.finish_reason == "length"
+
+    # The rounds the script implies: arm k_eff = min(k, tokens left - 1), and the draft is
+    # right for min(agree, k_eff) of them, each round committing those plus one more token.
+    arms, done = [], 0
+    while done < SCRIPT_TOKENS:
+        arms.append(min(SCRIPT_K, SCRIPT_TOKENS - done - 1))
+        done += min(agree, arms[-1]) + 1
+    accepted = [min(agree, a) for a in arms]
+    assert [len(c) - 1 for c in chunks] == accepted  # per round, in order
+    assert scripted.proposals == [a for a in arms if a > 0]  # the draft ran k_eff times
+    assert r.rounds == len(arms)
+    assert r.proposed == sum(arms) == sum(r.proposed_per_position)
+    assert r.accepted == sum(accepted) == sum(r.accepted_per_position)
+    assert r.proposed_per_position == [sum(a > i for a in arms) for i in range(SCRIPT_K)]
+    assert r.accepted_per_position == [sum(m > i for m in accepted) for i in range(SCRIPT_K)]
+    if agree == 0:
+        assert r.accepted == 0 and r.proposed > 0
+    if agree == SCRIPT_K:
+        assert r.acceptance == 1.0
+
+
 def test_arm_zero_does_no_draft_work(engines):
     tok, cut, _ = engines
     r = cut.generate(ids_for(tok, "hello"), 0, 20)
@@ -103,7 +201,7 @@ def test_should_stop_and_streaming_callback(engines):
 def test_arm_without_draft_is_refused(tiny_models):
     tok, target, _ = tiny_models
     with pytest.raises(ValueError, match="needs a draft"):
-        SpecEngine(target).generate([1, 2], 2, 5)
+        SpeculativeEngine(target).generate([1, 2], 2, 5)
 
 
 def test_batched_target_generation_equals_one_at_a_time(engines):
@@ -119,7 +217,7 @@ def test_batched_target_generation_equals_one_at_a_time(engines):
 def test_rows_joining_a_running_batch_get_one_at_a_time_output(engines):
     """Continuous batching: rows added between steps (shorter and longer prompts than the
     running rows' cache) decode exactly as they would alone; finished rows leave at once."""
-    from pipeline.spec.engine import TargetBatch
+    from pipeline.speculative.engine import TargetBatch
 
     tok, cut, _ = engines
     first = [ids_for(tok, "hello"), ids_for(tok, PROMPTS[0])]
@@ -150,7 +248,7 @@ def test_skinny_linears_match_plain_linear_and_leave_training_alone():
     import torch
     import torch.nn.functional as F
 
-    from pipeline.spec.engine import SKINNY_MAX_ROWS, use_skinny_linears
+    from pipeline.speculative.engine import SKINNY_MAX_ROWS, use_skinny_linears
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 8, bias=False))

@@ -87,7 +87,7 @@ def test_two_hang_ups_before_the_first_byte_do_not_wedge_the_server(tmp_path):
         model = requests.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
         for _ in range(2):
             hang_up_before_first_byte(url, CHAT, body(model, stream=True, max_tokens=900))
-        time.sleep(3)
+        time.sleep(1)
         every_mode_serves(url, model)
         r = requests.post(url + CHAT, json=body(model, stream=True), stream=True, timeout=30)
         assert r.status_code == 200 and last_event(r) == b"data: [DONE]"
@@ -124,7 +124,7 @@ def test_generation_for_a_client_that_left_stops_at_the_next_round(slow_server, 
 def test_a_client_that_stops_reading_holds_no_slot(slow_server):
     s, _, st = slow_server
     held = threading.Thread(
-        target=stop_reading, args=(s.url, CHAT, body(stream=True, max_tokens=60), 4.0)
+        target=stop_reading, args=(s.url, CHAT, body(stream=True, max_tokens=60), 2.0)
     )
     held.start()
     try:
@@ -200,7 +200,7 @@ def _careless_client(url: str, until: float, seed: int, counts: dict, lock) -> N
 
 
 @pytest.mark.parametrize(
-    "seconds", [6, pytest.param(90, marks=pytest.mark.slow, id="90s")], ids=lambda x: f"{x}s"
+    "seconds", [4, pytest.param(90, marks=pytest.mark.slow, id="90s")], ids=lambda x: f"{x}s"
 )
 def test_soak_careless_clients_in_every_mode(tiny_models, seconds):
     """Several clients mixing every mode, streaming and not, hanging up before the first byte,
@@ -223,10 +223,13 @@ def test_soak_careless_clients_in_every_mode(tiny_models, seconds):
         r = requests.post(s.url + CHAT, json=body(stream=True), stream=True, timeout=30)
         assert last_event(r) == b"data: [DONE]"
         assert st.admission.count == 0 and not st.jobs
+        for t in [t for t in threading.enumerate() if t.name == "phoenix-gen"]:
+            t.join(timeout=5)  # a job hands its slot back just before its thread returns
         assert not [t for t in threading.enumerate() if t.name == "phoenix-gen"]
     assert counts.get("before_first_byte") and counts.get("plain 200"), counts
 
 
+@pytest.mark.slow
 def test_health_reports_no_leak_after_mixed_hang_ups_in_a_real_process(tmp_path):
     """The issue's second run, short: a real `serve` with queue_size=4 and clients that hang up;
     it ended answering only 429s. Now it drains, and SIGTERM stops it."""

@@ -75,22 +75,23 @@ def test_split_cli_end_to_end(tmp_path, mbpp_path):
     assert {p.name: p.read_bytes() for p in data.iterdir()} == before  # byte-identical rerun
 
 
-def test_split_cli_bad_input_exit_2_keeps_earlier_output(tmp_path, mbpp_path):
+def test_split_cli_bad_input_exit_2_keeps_earlier_output(tmp_path, mbpp_path, cli, monkeypatch):
     art = tmp_path / "art"
-    assert run_cli("split", "--artifacts", str(art)).returncode == 0
+    assert cli("split", "--artifacts", art).returncode == 0
     before = {p.name: p.read_bytes() for p in (art / "data").iterdir()}
     bad = tmp_path / "bad.jsonl"
     bad.write_text(mbpp_path.read_text().splitlines()[0] + "\n{oops\n")
-    r = run_cli("split", "--artifacts", str(art), env={"PHOENIX_MBPP": str(bad)})
-    assert r.returncode == 2 and f"{bad}:2" in r.stderr
-    r = run_cli("split", "--artifacts", str(art), "--set", "data.train_size=2000")
-    assert r.returncode == 2 and "exceeds" in r.stderr
+    monkeypatch.setenv("PHOENIX_MBPP", str(bad))
+    r = cli("split", "--artifacts", art)
+    assert r.returncode == 2 and f"{bad}:2" in r.log
+    monkeypatch.delenv("PHOENIX_MBPP")
+    r = cli("split", "--artifacts", art, "--set", "data.train_size=2000")
+    assert r.returncode == 2 and "exceeds" in r.log
     assert {p.name: p.read_bytes() for p in (art / "data").iterdir()} == before
     assert not [p for p in (art / "data").iterdir() if p.name.endswith(".tmp")]
 
 
-def test_missing_source_is_a_clear_error(tmp_path):
-    r = run_cli(
-        "split", "--artifacts", str(tmp_path), env={"PHOENIX_MBPP": str(tmp_path / "nope.jsonl")}
-    )
-    assert r.returncode == 2 and "MBPP file not found" in r.stderr
+def test_missing_source_is_a_clear_error(tmp_path, cli, monkeypatch):
+    monkeypatch.setenv("PHOENIX_MBPP", str(tmp_path / "nope.jsonl"))
+    r = cli("split", "--artifacts", tmp_path)
+    assert r.returncode == 2 and "MBPP file not found" in r.log

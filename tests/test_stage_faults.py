@@ -7,18 +7,14 @@ not available the test says so and skips).
 import json
 import logging
 import shutil
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from pipeline import __main__ as cli
-from tests.conftest import ROOT
+from tests.conftest import CI, ROOT
 from tests.fake_openai import FakeOpenAI
-
-CI = ["--config", "configs/ci.yaml"]
 
 
 def fake_teacher(url: str, limit: int) -> list[str]:
@@ -40,37 +36,31 @@ def answer_rows(path) -> list[dict]:
     return rows
 
 
-@pytest.fixture(autouse=True)
-def cli_in_process(caplog):
-    """`cli.main` installs SIGINT/SIGTERM handlers: give pytest its own back afterwards."""
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    caplog.set_level(logging.INFO)
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
+def split_into(cli, art, cache) -> None:
+    assert cli("split", *CI, "--artifacts", art, "--cache", cache).returncode == 0
 
 
-def split_into(art, mbpp_path, cache) -> None:
-    assert cli.main(["split", *CI, "--artifacts", str(art), "--cache", str(cache)]) == 0
-
-
-def test_overlapping_distills_answer_each_prompt_once(tmp_path, mbpp_path, model_cache):
+def test_overlapping_distills_answer_each_prompt_once(tmp_path, mbpp_path, model_cache, cli):
     """A cron job overlapping a manual run: the second exits 6 naming the first; every answer
     is asked for and written once."""
     art = tmp_path / "art"
-    split_into(art, mbpp_path, model_cache)
-    with FakeOpenAI(delay_s=0.4) as fake:
-        cmd = [sys.executable, "-m", "pipeline", "distill", *CI, "--artifacts", str(art)]
-        cmd += fake_teacher(fake.url, 40)
-        first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    split_into(cli, art, model_cache)
+    with FakeOpenAI(delay_s=0.2) as fake:
+        args = ["distill", *CI, "--artifacts", str(art), *fake_teacher(fake.url, 40)]
+        first = subprocess.Popen(
+            [sys.executable, "-m", "pipeline", *args],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         try:
             deadline = time.monotonic() + 60
             while not (art / "phoenix.lock").exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+                time.sleep(0.02)
+            second = cli(*args)
             assert first.poll() is None, "the first run ended before the overlap was tried"
-            assert second.returncode == 6, second.stderr[-2000:]
-            assert f"distill (pid {first.pid}" in second.stderr
+            assert second.returncode == 6, second.log[-2000:]
+            assert f"distill (pid {first.pid}" in second.log
             assert first.wait(120) == 0, first.stderr.read()[-2000:]
         finally:
             if first.poll() is None:
@@ -118,37 +108,37 @@ def one_error_line(caplog) -> str:
 
 
 def test_full_disk_keeps_what_was_written_and_says_what_to_do(
-    small_volume, tmp_path, mbpp_path, model_cache, caplog
+    small_volume, tmp_path, mbpp_path, model_cache, caplog, cli
 ):
     art = small_volume / "art"
     common = ["--artifacts", str(art), "--cache", str(model_cache)]
-    split_into(art, mbpp_path, model_cache)
+    split_into(cli, art, model_cache)
 
     # distill: the disk fills after a few answers
     with FakeOpenAI() as fake:
         distill = ["distill", *CI, *common, *fake_teacher(fake.url, 60)]
         fill(small_volume, 12 * 1024)
         caplog.clear()
-        assert cli.main(distill) == 1
+        assert cli(*distill).returncode == 1
         msg = one_error_line(caplog)
         kept = answer_rows(art / "teacher" / "answers.jsonl")
         assert 0 < len(kept) < 60
         assert "disk full" in msg and "answers.jsonl" in msg and f"{len(kept)} answers" in msg
         unfill(small_volume)
-        assert cli.main(distill) == 0
+        assert cli(*distill).returncode == 0
         assert len(answer_rows(art / "teacher" / "answers.jsonl")) == 60
 
     # train: room for one checkpoint (about 0.7 MB), not two
     train = ["train", *CI, *common, "--set", "train.save_steps=2", "--set", "train.max_steps=6"]
     fill(small_volume, 1200 * 1024)
     caplog.clear()
-    assert cli.main(train) == 1
+    assert cli(*train).returncode == 1
     msg = one_error_line(caplog)
     ckpts = art / "adapter" / "checkpoints"
     assert "disk full" in msg and "checkpoint-2 is kept" in msg, msg
     unfill(small_volume)
     caplog.clear()
-    assert cli.main(train) == 0
+    assert cli(*train).returncode == 0
     assert "resuming from" in caplog.text and "checkpoint-2" in caplog.text
     assert (art / "adapter" / "metrics.json").exists() and (ckpts / "checkpoint-6").is_dir()
 
@@ -156,11 +146,11 @@ def test_full_disk_keeps_what_was_written_and_says_what_to_do(
     merge = ["merge", *CI, *common]
     fill(small_volume, 64 * 1024)
     caplog.clear()
-    assert cli.main(merge) == 1
+    assert cli(*merge).returncode == 1
     msg = one_error_line(caplog)
     assert "disk full" in msg and "merged" in msg
     assert not (art / "merged").exists() and not list(art.glob(".merged.*"))
     assert not (art / "registry").exists()
     unfill(small_volume)
-    assert cli.main(merge) == 0
+    assert cli(*merge).returncode == 0
     assert (art / "merged" / "model.safetensors").exists()

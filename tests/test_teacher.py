@@ -16,16 +16,16 @@ from pipeline.teacher import (
     load_answers,
     retry_after_seconds,
 )
-from tests.conftest import ROOT, run_cli
+from tests.conftest import CI, ROOT, copy_workspace, run_cli
 from tests.fake_openai import FakeOpenAI, canned_answer
 
 MSG = [{"role": "user", "content": "Write f."}]
 
 
 def test_slow_boot_then_ready():
-    with FakeOpenAI(health_503=3, models_empty=2) as fake:
+    with FakeOpenAI(health_503=2, models_empty=1) as fake:
         TeacherClient(fake.url).wait_ready("fake", timeout_s=30)
-        assert fake.calls["health"] == 4 and fake.calls["models"] == 3
+        assert fake.calls["health"] == 3 and fake.calls["models"] == 2
 
 
 def test_no_health_route_goes_straight_to_models():
@@ -117,20 +117,18 @@ def rows_of(art):
     return [json.loads(x) for x in (art / "teacher" / "answers.jsonl").read_text().splitlines()]
 
 
-def test_distill_needs_split_first(tmp_path):
-    r = run_cli("distill", "--config", "configs/ci.yaml", "--artifacts", str(tmp_path))
-    assert r.returncode == 2 and "run the split stage first" in r.stderr
+def test_distill_needs_split_first(tmp_path, cli):
+    r = cli("distill", *CI, "--artifacts", tmp_path)
+    assert r.returncode == 2 and "run the split stage first" in r.log
 
 
-def test_distill_against_remote_teacher_with_limit_and_summary(tmp_path, mbpp_path):
+def test_distill_against_remote_teacher_with_limit_and_summary(tmp_path, mbpp_path, cli):
     art = tmp_path / "art"
     with FakeOpenAI(chat_429=1, retry_after="0") as fake:
         cfg = write_config(tmp_path, fake.url, concurrency=4)
-        assert run_cli("split", "--config", str(cfg), "--artifacts", str(art)).returncode == 0
-        r = run_cli(
-            "distill", "--config", str(cfg), "--artifacts", str(art), "--set", "distill.limit=12"
-        )
-        assert r.returncode == 0, r.stderr
+        assert cli("split", "--config", cfg, "--artifacts", art).returncode == 0
+        r = cli("distill", "--config", cfg, "--artifacts", art, "--set", "distill.limit=12")
+        assert r.returncode == 0, r.log
     rows = rows_of(art)
     train = [json.loads(x) for x in (art / "data" / "train.jsonl").read_text().splitlines()]
     assert [r["task_id"] for r in rows] != [] and sorted(r["task_id"] for r in rows) == sorted(
@@ -151,6 +149,7 @@ def test_distill_against_remote_teacher_with_limit_and_summary(tmp_path, mbpp_pa
     assert (art / "teacher" / "config.yaml").is_file()
 
 
+@pytest.mark.slow
 def test_distill_killed_mid_run_resumes_without_loss_or_duplicates(tmp_path, mbpp_path):
     art = tmp_path / "art"
     with FakeOpenAI(delay_s=0.15) as fake:
@@ -203,15 +202,13 @@ def rows_of_safe(path):
     return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
 
 
-def test_distill_with_local_teacher_ci_config(tmp_path, mbpp_path):
-    art = tmp_path / "art"
-    assert run_cli("split", "--config", "configs/ci.yaml", "--artifacts", str(art)).returncode == 0
-    t0 = time.monotonic()
-    r = run_cli("distill", "--config", "configs/ci.yaml", "--artifacts", str(art))
-    assert r.returncode == 0, r.stderr
-    assert time.monotonic() - t0 < 60
+def test_distill_with_local_teacher_ci_config(distilled_ws, tmp_path):
+    """distill's command-line end-to-end test: the session's distilled workspace was made by a
+    `python -m pipeline distill` process with the local teacher (conftest.distilled_ws)."""
+    art = distilled_ws
     summary = json.loads((art / "teacher" / "summary.json").read_text())
     assert summary["concurrency"] >= 16  # enough in flight to fill the local teacher's batches
+    assert summary["teacher"] == "local" and summary["answered_this_run"] == 200
     rows = rows_of(art)
     assert len(rows) == 200 and all("completion_token_ids" in r for r in rows)
     assert all(r["completion_tokens"] == len(r["completion_token_ids"]) for r in rows)
@@ -219,12 +216,14 @@ def test_distill_with_local_teacher_ci_config(tmp_path, mbpp_path):
     out = subprocess.run(["pgrep", "-f", f"pipeline serve.*{art}"], capture_output=True, text=True)
     assert out.stdout.strip() == ""
     # A finished run is not repeated: nothing to do, no server started.
-    r = run_cli("distill", "--config", "configs/ci.yaml", "--artifacts", str(art))
+    art = copy_workspace(distilled_ws, tmp_path / "art")
+    r = run_cli("distill", *CI, "--artifacts", str(art))
     assert (
         r.returncode == 0 and "0 to go" in r.stderr and "starting the local teacher" not in r.stderr
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
 def test_interrupted_distill_leaves_no_local_server(tmp_path, mbpp_path, sig):
     art = tmp_path / "art"

@@ -1,5 +1,6 @@
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -7,42 +8,24 @@ import yaml
 from safetensors.torch import load_file
 
 from pipeline.train import build_examples
-from tests.conftest import run_cli
+from tests.conftest import CI, build_workspace, copy_workspace, run_cli
 from tests.fake_hub import FakeHub
+
+TRAIN_SETTINGS = (
+    "train.method=lora",
+    "train.max_steps=8",
+    "train.save_steps=2",
+    "train.batch_size=2",
+    "train.learning_rate=0.01",
+)
+TRAIN = [x for s in TRAIN_SETTINGS for x in ("--set", s)]
 
 
 @pytest.fixture(scope="module")
-def distilled(tmp_path_factory):
-    """A workspace after split + distill on configs/ci.yaml (local tiny teacher)."""
-    from tests.conftest import MBPP
-
-    if not MBPP.is_file():
-        pytest.skip("MBPP not present")
-    art = tmp_path_factory.mktemp("ws")
-    for stage in ("split", "distill"):
-        r = run_cli(stage, "--config", "configs/ci.yaml", "--artifacts", str(art))
-        assert r.returncode == 0, r.stderr
-    return art
-
-
-def fresh_copy(distilled, tmp_path):
-    art = tmp_path / "art"
-    shutil.copytree(distilled, art, ignore=shutil.ignore_patterns("adapter", "merged", "registry"))
-    return art
-
-
-TRAIN = [
-    "--set",
-    "train.method=lora",
-    "--set",
-    "train.max_steps=8",
-    "--set",
-    "train.save_steps=2",
-    "--set",
-    "train.batch_size=2",
-    "--set",
-    "train.learning_rate=0.01",
-]
+def lora_ws(distilled_ws, tmp_path_factory):
+    """The session's distilled workspace after 8 LoRA steps (TRAIN), trained once."""
+    art = copy_workspace(distilled_ws, tmp_path_factory.mktemp("lora") / "art")
+    return build_workspace(art, ("train",), TRAIN_SETTINGS)
 
 
 def test_examples_mask_the_prompt_and_keep_teacher_tokens():
@@ -74,10 +57,8 @@ def test_examples_mask_the_prompt_and_keep_teacher_tokens():
     )
 
 
-def test_lora_moves_adapter_not_base_then_merge_equals_base_plus_adapter(distilled, tmp_path):
-    art = fresh_copy(distilled, tmp_path)
-    r = run_cli("train", "--config", "configs/ci.yaml", "--artifacts", str(art), *TRAIN)
-    assert r.returncode == 0, r.stderr
+def test_lora_moves_adapter_not_base_then_merge_equals_base_plus_adapter(lora_ws, tmp_path, cli):
+    art = copy_workspace(lora_ws, tmp_path / "art")
     metrics = json.loads((art / "adapter" / "metrics.json").read_text())
     assert metrics["method"] == "lora" and metrics["global_steps"] == 8
     log = [json.loads(x) for x in (art / "adapter" / "train_log.jsonl").read_text().splitlines()]
@@ -90,8 +71,8 @@ def test_lora_moves_adapter_not_base_then_merge_equals_base_plus_adapter(distill
     # The base draft on disk is untouched (training never writes it).
     assert all(torch.equal(v, load_file(base_file)[k]) for k, v in base.items())
 
-    r = run_cli("merge", "--config", "configs/ci.yaml", "--artifacts", str(art))
-    assert r.returncode == 0, r.stderr
+    r = cli("merge", *CI, "--artifacts", art)
+    assert r.returncode == 0, r.log
     merged = load_file(str(art / "merged" / "model.safetensors"))
     # W_merged = W_base + (alpha / r) * B @ A, for every adapted layer.
     cfg = json.loads((art / "adapter" / "model" / "adapter_config.json").read_text())
@@ -121,119 +102,75 @@ def test_lora_moves_adapter_not_base_then_merge_equals_base_plus_adapter(distill
 
     AutoModelForCausalLM.from_pretrained(str(art / "merged"))
     # Merging again with the same content registers nothing new.
-    r = run_cli("merge", "--config", "configs/ci.yaml", "--artifacts", str(art))
-    assert r.returncode == 0 and "already registered" in r.stderr
+    r = cli("merge", *CI, "--artifacts", art)
+    assert r.returncode == 0 and "already registered" in r.log
     assert len(list((art / "registry" / "phoenix-draft").glob("v*"))) == 1
 
 
-def test_finished_training_is_not_repeated_unless_forced(distilled, tmp_path):
-    art = fresh_copy(distilled, tmp_path)
-    assert (
-        run_cli("train", "--config", "configs/ci.yaml", "--artifacts", str(art), *TRAIN).returncode
-        == 0
-    )
-    r = run_cli("train", "--config", "configs/ci.yaml", "--artifacts", str(art), *TRAIN)
-    assert r.returncode == 0 and "already finished" in r.stderr
-    r = run_cli("train", "--config", "configs/ci.yaml", "--artifacts", str(art), *TRAIN, "--force")
-    assert r.returncode == 0 and "starting over" in r.stderr
+def test_finished_training_is_not_repeated_unless_forced(lora_ws, tmp_path, cli):
+    art = copy_workspace(lora_ws, tmp_path / "art")
+    r = cli("train", *CI, "--artifacts", art, *TRAIN)
+    assert r.returncode == 0 and "already finished" in r.log
+    r = cli("train", *CI, "--artifacts", art, *TRAIN, "--force")
+    assert r.returncode == 0 and "starting over" in r.log
 
 
-def test_resume_after_interruption_continues_from_checkpoint(distilled, tmp_path):
-    art = fresh_copy(distilled, tmp_path)
-    ref = fresh_copy(distilled, tmp_path / "ref")
-    assert (
-        run_cli("train", "--config", "configs/ci.yaml", "--artifacts", str(ref), *TRAIN).returncode
-        == 0
-    )
-    assert (
-        run_cli("train", "--config", "configs/ci.yaml", "--artifacts", str(art), *TRAIN).returncode
-        == 0
-    )
-    # Leave the workspace as a crash after step 6 would: checkpoints up to 6, no final outputs.
+def test_resume_after_interruption_continues_from_checkpoint(lora_ws, tmp_path, cli):
+    art = copy_workspace(lora_ws, tmp_path / "art")
+    # Leave the workspace as a crash after step 6 would: checkpoints up to 6, no final outputs,
+    # and a checkpoint-8 cut short (no trainer_state.json, written last).
     adapter = art / "adapter"
-    shutil.rmtree(adapter / "checkpoints" / "checkpoint-8")
+    (adapter / "checkpoints" / "checkpoint-8" / "trainer_state.json").unlink()
     shutil.rmtree(adapter / "model")
     (adapter / "metrics.json").unlink()
-    r = run_cli("train", "--config", "configs/ci.yaml", "--artifacts", str(art), *TRAIN)
-    assert r.returncode == 0, r.stderr
-    assert "resuming from" in r.stderr and "checkpoint-6" in r.stderr
+    r = cli("train", *CI, "--artifacts", art, *TRAIN)
+    assert r.returncode == 0, r.log
+    assert "incomplete checkpoint" in r.log and "resuming from" in r.log and "checkpoint-6" in r.log
     metrics = json.loads((adapter / "metrics.json").read_text())
     assert metrics["global_steps"] == 8 and metrics["resumed_from"].endswith("checkpoint-6")
     a = load_file(str(adapter / "model" / "adapter_model.safetensors"))
-    b = load_file(str(ref / "adapter" / "model" / "adapter_model.safetensors"))
+    b = load_file(str(lora_ws / "adapter" / "model" / "adapter_model.safetensors"))
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)  # same result as never stopping
 
 
-def test_full_finetune_then_merge_verifies_and_publishes(distilled, tmp_path):
-    art = fresh_copy(distilled, tmp_path)
-    r = run_cli(
-        "train",
-        "--config",
-        "configs/ci.yaml",
-        "--artifacts",
-        str(art),
-        *TRAIN,
-        "--set",
-        "train.method=full",
-        "--set",
-        "train.learning_rate=0.001",
-    )
-    assert r.returncode == 0, r.stderr
+def test_full_finetune_then_merge_verifies_and_publishes(merged_ws):
+    """The session's merged workspace: configs/ci.yaml trains every weight."""
+    art = merged_ws
     metrics = json.loads((art / "adapter" / "metrics.json").read_text())
+    assert metrics["method"] == "full"
     assert metrics["trainable_parameters"] == metrics["total_parameters"]
     base = load_file(metrics["base_draft"] + "/model.safetensors")
     trained = load_file(str(art / "adapter" / "model" / "model.safetensors"))
     assert any(not torch.equal(trained[k], base[k]) for k in base if k in trained)
-    r = run_cli("merge", "--config", "configs/ci.yaml", "--artifacts", str(art))
-    assert r.returncode == 0, r.stderr
     merged = load_file(str(art / "merged" / "model.safetensors"))
     assert all(torch.equal(merged[k], trained[k]) for k in trained)
+    published = json.loads((art / "merged" / "publish.json").read_text())["published"]
+    assert (Path(published["path"]) / "model.safetensors").is_file()
 
 
-def test_failed_verification_publishes_nothing(distilled, tmp_path):
-    art = fresh_copy(distilled, tmp_path)
-    assert (
-        run_cli("train", "--config", "configs/ci.yaml", "--artifacts", str(art), *TRAIN).returncode
-        == 0
-    )
-    r = run_cli(
-        "merge", "--config", "configs/ci.yaml", "--artifacts", str(art), "--set", "merge.atol=1e-12"
-    )
-    assert r.returncode == 4 and "differs" in r.stderr
+def test_failed_verification_publishes_nothing(lora_ws, tmp_path, cli):
+    art = copy_workspace(lora_ws, tmp_path / "art")
+    r = cli("merge", *CI, "--artifacts", art, "--set", "merge.atol=1e-12")
+    assert r.returncode == 4 and "differs" in r.log
     assert not (art / "merged").exists() and not (art / "registry").exists()
     assert not list(art.glob(".merged.*"))
 
 
-def test_merge_without_training_is_a_clear_error(tmp_path):
-    r = run_cli("merge", "--config", "configs/ci.yaml", "--artifacts", str(tmp_path))
-    assert r.returncode == 2 and "run the train stage first" in r.stderr
+def test_merge_without_training_is_a_clear_error(tmp_path, cli):
+    r = cli("merge", *CI, "--artifacts", tmp_path)
+    assert r.returncode == 2 and "run the train stage first" in r.log
 
 
-def test_dry_run_pushes_nothing(distilled, tmp_path):
-    art = fresh_copy(distilled, tmp_path)
-    assert (
-        run_cli("train", "--config", "configs/ci.yaml", "--artifacts", str(art), *TRAIN).returncode
-        == 0
-    )
-    r = run_cli(
-        "merge",
-        "--config",
-        "configs/ci.yaml",
-        "--artifacts",
-        str(art),
-        "--set",
-        "publish.dry_run=true",
-    )
-    assert r.returncode == 0 and "would push" in r.stderr and "model.safetensors" in r.stderr
+def test_dry_run_pushes_nothing(lora_ws, tmp_path, cli):
+    art = copy_workspace(lora_ws, tmp_path / "art")
+    r = cli("merge", *CI, "--artifacts", art, "--set", "publish.dry_run=true")
+    assert r.returncode == 0 and "would push" in r.log and "model.safetensors" in r.log
     assert not (art / "registry").exists()
 
 
-def test_hub_push_to_a_local_hub_server(distilled, tmp_path):
-    art = fresh_copy(distilled, tmp_path)
-    assert (
-        run_cli("train", "--config", "configs/ci.yaml", "--artifacts", str(art), *TRAIN).returncode
-        == 0
-    )
+def test_hub_push_to_a_local_hub_server(lora_ws, tmp_path, cli, monkeypatch):
+    """merge's command-line end-to-end test: a real process pushes to a local Hub stand-in."""
+    art = copy_workspace(lora_ws, tmp_path / "art")
     cfg = yaml.safe_load(open("configs/ci.yaml"))
     cfg["publish"] = {"target": "hub", "repo_id": "phoenix/tiny-draft", "retries": 2}
     cfg_file = tmp_path / "hub.yaml"
@@ -251,33 +188,30 @@ def test_hub_push_to_a_local_hub_server(distilled, tmp_path):
         assert repo["private"] is True and len(repo["commits"]) == 1  # the 500 was retried
         assert "Phoenix draft, run" in repo["commits"][0]["summary"]
         local = {p.name: p.read_bytes() for p in (art / "merged").iterdir()}
+        del local["publish.json"]  # written after the push: where it went
         assert repo["files"] == local  # the complete model, byte for byte
         assert hub.card_metadata["tags"][0] == "phoenix"
         assert "hf_secret_value" not in r.stderr + r.stdout
-        assert "hf_secret_value" not in (art / "merge.json").read_text()
+        assert "hf_secret_value" not in (art / "merged" / "publish.json").read_text()
         # A wrong token fails clearly, without retry storms, and without printing the token.
-        r = run_cli(
-            "merge",
-            "--config",
-            str(cfg_file),
-            "--artifacts",
-            str(art),
-            env={**env, "HF_TOKEN": "hf_wrong"},
-        )
-        assert r.returncode != 0 and "refused the token" in r.stderr and "hf_wrong" not in r.stderr
-    r = run_cli("merge", "--config", str(cfg_file), "--artifacts", str(art), env={"HF_TOKEN": ""})
-    assert r.returncode == 2 and "HF_TOKEN" in r.stderr
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_TOKEN", "hf_wrong")
+        r = cli("merge", "--config", cfg_file, "--artifacts", art)
+        assert r.returncode != 0 and "refused the token" in r.log and "hf_wrong" not in r.log
+    monkeypatch.setenv("HF_TOKEN", "")
+    r = cli("merge", "--config", cfg_file, "--artifacts", art)
+    assert r.returncode == 2 and "HF_TOKEN" in r.log
 
 
 @pytest.mark.slow
-def test_distributed_training_with_two_cpu_processes(distilled, tmp_path):
+def test_distributed_training_with_two_cpu_processes(distilled_ws, tmp_path):
     """The DDP code path (gloo), as `accelerate launch` drives it on GPUs, with torchrun on 2 CPUs."""
     import subprocess
     import sys
 
     from tests.conftest import ROOT
 
-    art = fresh_copy(distilled, tmp_path)
+    art = copy_workspace(distilled_ws, tmp_path / "art")
     r = subprocess.run(
         [
             sys.executable,

@@ -17,8 +17,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .bandit import Decision, EpsilonGreedy, load_bandit, save_bandit
-from .engine import GenerationResult, SpecEngine, TargetBatch
+from . import models
+from .speculative.bandit import Decision, EpsilonGreedy, load_bandit, save_bandit
+from .speculative.engine import GenerationResult, SpeculativeEngine, TargetBatch
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,6 @@ class CoreResult:
     mode: Mode
     result: GenerationResult
     decision: Decision | None
-    cancelled: bool = False
     stopped_by_string: bool = False
 
 
@@ -179,7 +179,7 @@ class TargetBatcher:
 
     def __init__(
         self,
-        engine: SpecEngine,
+        engine: SpeculativeEngine,
         lock: threading.Lock,
         max_batch: int,
         gather_s: float = 0.02,
@@ -258,7 +258,7 @@ class ServingCore:
 
     def __init__(
         self,
-        engine: SpecEngine,
+        engine: SpeculativeEngine,
         tokenizer,
         bandit: EpsilonGreedy,
         model_id: str,
@@ -300,13 +300,10 @@ class ServingCore:
     def chat_prompt_ids(
         self, messages: list[dict], template_kwargs: dict | None = None
     ) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
-        )
-        return self.text_prompt_ids(text)
+        return models.chat_prompt_ids(self.tokenizer, messages, template_kwargs)
 
     def text_prompt_ids(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return models.text_prompt_ids(self.tokenizer, text)
 
     def generate(
         self,
@@ -354,7 +351,7 @@ class ServingCore:
             self.bandit.update(k, result.tokens_per_second)
             if self.state_file is not None:
                 save_bandit(self.bandit, self.state_file)
-        return CoreResult(tracker.text, finish, mode, result, decision, cancelled, tracker.stopped)
+        return CoreResult(tracker.text, finish, mode, result, decision, tracker.stopped)
 
     def _acquire(self, cancel: threading.Event | None, poll_s: float = 0.05) -> None:
         """Take the generation lock; give up with `Cancelled` if the caller cancels meanwhile."""
@@ -365,29 +362,16 @@ class ServingCore:
                 return
 
 
-def build_core(cfg, ws, mode: str | None = None, load_draft: bool | None = None) -> ServingCore:
+def build_core(cfg, ws, mode: str | None = None) -> ServingCore:
     """Load models per config and build the core. Target-only mode skips loading the draft."""
-    from .. import models
-
     mode = mode or cfg.server.mode
-    if load_draft is None:
-        load_draft = mode != "target"
-    target_ref, draft_ref = models.resolve_pair(
-        cfg.models.target, cfg.models.draft if load_draft else None, ws.models_cache
-    )
-    tok = models.load_tokenizer(target_ref)
-    target = models.load_model(target_ref, cfg.models.dtype, cfg.models.device)
-    draft = models.load_model(draft_ref, cfg.models.dtype, cfg.models.device) if draft_ref else None
-    engine = SpecEngine(
-        target, draft, eos_token_ids=eos_ids(tok, target), pad_token_id=tok.pad_token_id
-    )
-    bandit = make_bandit(cfg)
+    pair = models.load_pair(cfg, ws, None if mode == "target" else cfg.models.draft)
     return ServingCore(
-        engine,
-        tok,
-        bandit,
+        pair.engine,
+        pair.tokenizer,
+        make_bandit(cfg),
         model_id=cfg.models.served_name or cfg.models.target,
-        draft_id=cfg.models.draft if draft_ref else None,
+        draft_id=cfg.models.draft if pair.draft_ref else None,
         default_mode=mode,
         state_file=ws.state / "bandit.json",
         max_batch=cfg.server.max_batch,
@@ -407,16 +391,3 @@ def make_bandit(cfg) -> EpsilonGreedy:
         explore=b.explore,
         z=b.z,
     )
-
-
-def eos_ids(tokenizer, model) -> list[int]:
-    ids = set()
-    gen = getattr(model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif eos:
-        ids.update(eos)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return sorted(ids)

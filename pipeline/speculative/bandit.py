@@ -19,7 +19,7 @@ import math
 import random
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..workspace import atomic_write_json
@@ -35,12 +35,6 @@ class Decision:
     epsilon: float
     means: dict[int, float]
     counts: dict[int, int]
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["means"] = {str(a): m for a, m in self.means.items()}
-        d["counts"] = {str(a): c for a, c in self.counts.items()}
-        return d
 
 
 class EpsilonGreedy:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 import types
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -60,14 +60,23 @@ class GenerationResult:
     def acceptance(self) -> float | None:
         return self.accepted / self.proposed if self.proposed else None
 
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.update(
-            output_tokens=self.output_tokens,
-            tokens_per_second=self.tokens_per_second,
-            acceptance=self.acceptance,
-        )
-        return d
+
+@dataclass
+class _State:
+    """One generation's running state: `seq` = prompt + committed output, the two caches, and
+    the counts the result reports."""
+
+    seq: list[int]
+    t_cache: DynamicCache
+    d_cache: DynamicCache | None
+    proposed_pos: list[int]
+    accepted_pos: list[int]
+    out: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    proposed: int = 0
+    accepted: int = 0
+    rounds: int = 0
 
 
 def _skinny_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -98,7 +107,7 @@ def _crop_to(cache: DynamicCache, length: int) -> None:
         cache.crop(-extra)  # transformers 5: a negative count of tokens to drop
 
 
-class SpecEngine:
+class SpeculativeEngine:
     """A target and an optional same-tokenizer draft, both on one device, greedy decoding."""
 
     def __init__(
@@ -146,89 +155,90 @@ class SpecEngine:
         if not prompt_ids:
             raise ValueError("empty prompt")
         start = time.perf_counter()
-        seq = list(prompt_ids)
-        n_prompt = len(seq)
-        out: list[int] = []
-        t_cache = DynamicCache(config=self.target.config)
-        d_cache = DynamicCache(config=self.draft.config) if k > 0 else None
-        draft_s = verify_s = 0.0
-        proposed_pos = [0] * k
-        accepted_pos = [0] * k
-        proposed = accepted = rounds = 0
-        finish = "length"
-
+        st = _State(
+            seq=list(prompt_ids),
+            t_cache=DynamicCache(config=self.target.config),
+            d_cache=DynamicCache(config=self.draft.config) if k > 0 else None,
+            proposed_pos=[0] * k,
+            accepted_pos=[0] * k,
+        )
+        n_prompt = len(st.seq)
         t0 = time.perf_counter()
-        if len(seq) > 1:
-            self._forward(self.target, seq[:-1], t_cache, keep=1)
-        verify_s += time.perf_counter() - t0
+        if n_prompt > 1:  # prefill: the target's cache holds seq[:-1]
+            self._forward(self.target, st.seq[:-1], st.t_cache, keep=1)
+        st.verify_s += time.perf_counter() - t0
 
-        while len(out) < max_new_tokens:
-            remaining = max_new_tokens - len(out)
-            k_eff = min(k, remaining - 1)
+        finish = "length"
+        while len(st.out) < max_new_tokens:
+            k_eff = min(k, max_new_tokens - len(st.out) - 1)
             if self.max_context is not None:
-                if len(seq) >= self.max_context:
+                if len(st.seq) >= self.max_context:
                     break
-                k_eff = max(0, min(k_eff, self.max_context - len(seq) - 1))
-            drafts: list[int] = []
-            if k_eff > 0:
-                t0 = time.perf_counter()
-                feed = seq[d_cache.get_seq_length() :]
-                for _ in range(k_eff):
-                    logits = self._forward(self.draft, feed, d_cache, keep=1)
-                    nxt = int(logits[-1].argmax())
-                    drafts.append(nxt)
-                    feed = [nxt]
-                draft_s += time.perf_counter() - t0
-
-            t0 = time.perf_counter()
-            logits = self._forward(self.target, [seq[-1], *drafts], t_cache, keep=k_eff + 1)
-            preds = logits.argmax(dim=-1).tolist()
-            verify_s += time.perf_counter() - t0
-
-            m = 0
-            while m < k_eff and drafts[m] == preds[m]:
-                m += 1
-            new = drafts[:m] + [preds[m]]
-            rounds += 1
-            proposed += k_eff
-            accepted += m
-            for i in range(k_eff):
-                proposed_pos[i] += 1
-                accepted_pos[i] += i < m
-            # Keep only what is valid: seq + accepted drafts (the new last token is pending).
-            _crop_to(t_cache, len(seq) + m)
-            if d_cache is not None:
-                _crop_to(d_cache, len(seq) + m)
-
-            for i, tok in enumerate(new):
-                if tok in self.eos_token_ids:
-                    new = new[:i]
-                    finish = "stop"
-                    break
-            seq.extend(new)
-            out.extend(new)
+                k_eff = max(0, min(k_eff, self.max_context - len(st.seq) - 1))
+            new, eos = self.speculative_round(st, k_eff)
             if new and on_tokens is not None:
                 on_tokens(new)
-            if finish == "stop":
-                break
-            if should_stop is not None and should_stop(out):
+            if eos or (should_stop is not None and should_stop(st.out)):
                 finish = "stop"
                 break
 
         return GenerationResult(
-            token_ids=out,
+            token_ids=st.out,
             arm=k,
             finish_reason=finish,
             latency_s=time.perf_counter() - start,
-            draft_s=draft_s,
-            verify_s=verify_s,
+            draft_s=st.draft_s,
+            verify_s=st.verify_s,
             prompt_tokens=n_prompt,
-            proposed=proposed,
-            accepted=accepted,
-            rounds=rounds,
-            proposed_per_position=proposed_pos,
-            accepted_per_position=accepted_pos,
+            proposed=st.proposed,
+            accepted=st.accepted,
+            rounds=st.rounds,
+            proposed_per_position=st.proposed_pos,
+            accepted_per_position=st.accepted_pos,
         )
+
+    def speculative_round(self, st: _State, k: int) -> tuple[list[int], bool]:
+        """One round: the draft proposes k tokens, the target scores [last, d1..dk] in one pass,
+        the longest agreeing prefix plus the target's own next token is committed, and both
+        caches are cut back to what is valid. Returns (committed tokens, hit end-of-turn)."""
+        drafts: list[int] = []
+        if k > 0:
+            t0 = time.perf_counter()
+            feed = st.seq[st.d_cache.get_seq_length() :]  # the draft catches up first
+            for _ in range(k):
+                logits = self._forward(self.draft, feed, st.d_cache, keep=1)
+                feed = [int(logits[-1].argmax())]
+                drafts.append(feed[0])
+            st.draft_s += time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        logits = self._forward(self.target, [st.seq[-1], *drafts], st.t_cache, keep=k + 1)
+        preds = logits.argmax(dim=-1).tolist()
+        st.verify_s += time.perf_counter() - t0
+
+        m = 0
+        while m < k and drafts[m] == preds[m]:
+            m += 1
+        new = drafts[:m] + [preds[m]]
+        st.rounds += 1
+        st.proposed += k
+        st.accepted += m
+        for i in range(k):
+            st.proposed_pos[i] += 1
+            st.accepted_pos[i] += i < m
+        # Keep only what is valid: seq + accepted drafts (the new last token is pending).
+        _crop_to(st.t_cache, len(st.seq) + m)
+        if st.d_cache is not None:
+            _crop_to(st.d_cache, len(st.seq) + m)
+
+        eos = False
+        for i, tok in enumerate(new):
+            if tok in self.eos_token_ids:
+                new, eos = new[:i], True
+                break
+        st.seq.extend(new)
+        st.out.extend(new)
+        return new, eos
 
     def generate_batch(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]
@@ -243,6 +253,17 @@ class SpecEngine:
         return [done[i] for i in range(len(prompts))]
 
 
+@dataclass
+class _Row:
+    """One request in a `TargetBatch`: the caller's key, its budget, and its output so far."""
+
+    key: object
+    max_new_tokens: int
+    prompt_tokens: int
+    start: float
+    out: list[int] = field(default_factory=list)
+
+
 class TargetBatch:
     """Target-only greedy decoding of a changing set of rows: the batching local teacher.
 
@@ -252,27 +273,27 @@ class TargetBatch:
     arrive while a batch runs join it instead of waiting for its longest answer. Invariant between
     calls: `mask` is as wide as the cache, and `logits` holds each row's next-token scores."""
 
-    def __init__(self, engine: SpecEngine):
+    def __init__(self, engine: SpeculativeEngine):
         self.engine = engine
         self.model = engine.target
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None
         self.logits: torch.Tensor | None = None
-        self.rows: list[dict] = []  # key, out, max, prompt_tokens, start
+        self.rows: list[_Row] = []
 
     @property
     def active(self) -> int:
         return len(self.rows)
 
     def keys(self) -> list:
-        return [row["key"] for row in self.rows]
+        return [row.key for row in self.rows]
 
     def drop(self, predicate: Callable[[object], bool]) -> list:
         """Remove the rows whose key satisfies `predicate` (callers that left); returns their
         keys. The other rows go on unchanged."""
-        gone = [row["key"] for row in self.rows if predicate(row["key"])]
+        gone = [row.key for row in self.rows if predicate(row.key)]
         if gone:
-            self._select([i for i, row in enumerate(self.rows) if not predicate(row["key"])])
+            self._select([i for i, row in enumerate(self.rows) if not predicate(row.key)])
         return gone
 
     def _select(self, keep: list[int]) -> None:
@@ -327,10 +348,7 @@ class TargetBatch:
         ids, mask = ids.to(dev), mask.to(dev)
         cache = DynamicCache(config=self.model.config)
         logits = self._forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache)
-        rows = [
-            {"key": key, "out": [], "max": n, "prompt_tokens": len(p), "start": now}
-            for (key, (p, n)) in items
-        ]
+        rows = [_Row(key, n, len(p), now) for (key, (p, n)) in items]
         if not self.rows:
             self.cache, self.mask, self.logits, self.rows = cache, mask, logits, rows
             return
@@ -356,24 +374,24 @@ class TargetBatch:
             if nxt[i] in eos:
                 finished.append((row, "stop"))
                 continue
-            row["out"].append(nxt[i])
-            if len(row["out"]) < row["max"]:
+            row.out.append(nxt[i])
+            if len(row.out) < row.max_new_tokens:
                 keep.append(i)
             else:
                 finished.append((row, "length"))
         now = time.perf_counter()
         results = [
             (
-                row["key"],
+                row.key,
                 GenerationResult(
-                    token_ids=row["out"],
+                    token_ids=row.out,
                     arm=0,
                     finish_reason=reason,
-                    latency_s=now - row["start"],
+                    latency_s=now - row.start,
                     draft_s=0.0,
-                    verify_s=now - row["start"],
-                    prompt_tokens=row["prompt_tokens"],
-                    rounds=len(row["out"]),
+                    verify_s=now - row.start,
+                    prompt_tokens=row.prompt_tokens,
+                    rounds=len(row.out),
                 ),
             )
             for row, reason in finished
