@@ -120,6 +120,13 @@ class ServerConfig(Section):
 
 class BenchConfig(Section):
     max_new_tokens: int = Field(128, ge=1)
+    lossless_margin: float = Field(
+        0.0,
+        ge=0,
+        description="A speculative output may leave the target-only output only where the "
+        "target's own scores for the two tokens differ by at most this (a numerical near-tie "
+        "of batched vs one-token rounding): 0 for fp32; 0.5 is a safe value for bf16/fp16.",
+    )
     prompts: int | None = Field(None, ge=1, description="Held-out prompts to use; null: all.")
     fixed_arms: list[int] = Field(default_factory=lambda: [4], description="K of the fixed_K runs.")
     drafts: list[Literal["base", "distilled"]] = Field(
@@ -177,6 +184,9 @@ class PublishConfig(Section):
     token_env: str = Field("HF_TOKEN", description="Env var with the Hub token.")
     dry_run: bool = Field(False, description="Show what would be pushed; push nothing.")
     retries: int = Field(3, ge=0)
+    retry_wait_s: float = Field(
+        1.0, gt=0, description="Wait before the first retry of a push; doubles, at most 30 s."
+    )
 
 
 class ObservabilityConfig(Section):

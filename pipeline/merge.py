@@ -60,16 +60,19 @@ def run(cfg: Config, ws: Workspace) -> dict[str, Any]:
     prompts = verification_inputs(cfg, ws, tok)
     device = models.pick_device(cfg.models.device)
 
+    # The reference is fp32 (base + adapter applied on the fly, or the trained weights); what is
+    # saved, and verified, is in models.dtype (bf16 for Qwen3): the check sees its rounding.
+    dtype = models.pick_dtype(cfg.models.dtype, device)
     if metrics["method"] == "lora":
         from peft import PeftModel
 
         base = models.load_model(metrics["base_draft"], "float32", device)
         peft_model = PeftModel.from_pretrained(base, str(trained))
-        expected = logits_of(peft_model, prompts)  # the adapter applied on the fly
-        merged = peft_model.merge_and_unload()
+        expected = logits_of(peft_model, prompts)
+        merged = peft_model.merge_and_unload().to(dtype)
     else:
-        merged = models.load_model(str(trained), "float32", device)
-        expected = logits_of(merged, prompts)
+        expected = logits_of(models.load_model(str(trained), "float32", device), prompts)
+        merged = models.load_model(str(trained), cfg.models.dtype, device)
     diff_inmem = max_diff(expected, logits_of(merged, prompts))
     if diff_inmem > cfg.merge.atol:
         raise VerificationError(
@@ -86,7 +89,7 @@ def run(cfg: Config, ws: Workspace) -> dict[str, Any]:
         if not (tmp / "generation_config.json").exists() and base_gen.exists():
             shutil.copy(base_gen, tmp / "generation_config.json")
         # Verify what is on disk, loaded the plain way: no PEFT, as vLLM or a user would.
-        reloaded = models.load_model(str(tmp), "float32", device)
+        reloaded = models.load_model(str(tmp), cfg.models.dtype, device)
         diff_disk = max_diff(expected, logits_of(reloaded, prompts))
         if diff_disk > cfg.merge.atol:
             raise VerificationError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -81,6 +82,18 @@ def push_local(model_root: Path, folder: Path, rid: str) -> dict[str, Any]:
     return {"target": "local", "version": version, "path": str(final), "new": True}
 
 
+def _connection_errors() -> tuple[type[BaseException], ...]:
+    """What a dropped or refused connection raises: OSError, and the transport errors of the
+    HTTP client huggingface_hub speaks (httpx in 1.x, httpx2 in 2.x)."""
+    errors: list[type[BaseException]] = [OSError]
+    for name in ("httpx2", "httpx"):
+        try:
+            errors.append(importlib.import_module(name).TransportError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
+
+
 def push_hub(cfg: Config, folder: Path, rid: str) -> dict[str, Any]:
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
@@ -120,10 +133,10 @@ def push_hub(cfg: Config, folder: Path, rid: str) -> dict[str, Any]:
                 ) from None
             if attempt >= p.retries or (status is not None and status < 500 and status != 429):
                 raise PhoenixError(f"push to the Hub failed: {exc}") from None
-        except OSError as exc:  # connection problems
+        except _connection_errors() as exc:
             if attempt >= p.retries:
-                raise PhoenixError(f"push to the Hub failed: {exc}") from None
+                raise PhoenixError(f"push to the Hub failed: {exc!r}") from None
         attempt += 1
-        wait = min(30.0, 2.0**attempt)
+        wait = min(30.0, p.retry_wait_s * 2.0 ** (attempt - 1))
         log.warning("publish: Hub push failed; retry %d in %.0fs", attempt, wait)
         time.sleep(wait)

@@ -161,7 +161,12 @@ def markdown(results: dict) -> str:
         "warm-up request(s) per run excluded. All numbers are from one run on this machine.",
         "",
         f"Lossless: **{'yes' if results['lossless'] else 'NO'}** (every speculative output "
-        f"{'equals' if results['lossless'] else 'must equal'} the target-only output token for token).",
+        f"{'equals' if results['lossless'] else 'must equal'} the target-only output token for token"
+        + (
+            f"; {len(results['near_ties'])} near-ties within bench.lossless_margin, listed below)."
+            if results.get("near_ties")
+            else ")."
+        ),
         "",
     ]
     target = next((r for r in results["rows"] if r["mode"] == "target"), None)
@@ -216,6 +221,23 @@ def markdown(results: dict) -> str:
         lines.append("")
     if not results["lossless"]:
         lines += ["## Mismatches", ""] + [f"- {m}" for m in results["mismatches"]] + [""]
+    ties = results.get("near_ties") or []
+    if ties:
+        lines += (
+            [
+                f"## Near-ties ({len(ties)}, within bench.lossless_margin {results['lossless_margin']})",
+                "",
+                "Outputs that left the target-only output where the target's own scores for the two "
+                "tokens were within the margin (half-precision rounding), not counted as failures:",
+                "",
+            ]
+            + [
+                f"- {t['draft']}/{t['mode']} prompt {t['prompt_index']}, token {t['position']}: "
+                f"margin {t['margin']:.4f}"
+                for t in ties
+            ]
+            + [""]
+        )
     lines += [
         "Plots: `tokens_per_second.png`, `bandit_arms.png`, `acceptance_by_position.png`.",
         "",

@@ -29,9 +29,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .metrics import Metrics
 from .serving import Cancelled, CoreResult, ModeError, ServingCore, build_core
 from .telemetry import NullTelemetry, setup_telemetry
 
@@ -177,6 +179,7 @@ class ServerState:
     max_tokens_limit: int
     stuck_after_s: float
     shutdown_timeout_s: float
+    metrics: Metrics | None = None
     core: ServingCore | None = None
     error: str | None = None
     closing: bool = False  # shutting down: admit nothing new
@@ -290,6 +293,13 @@ async def health(request: Request):
     return {"status": "ok", **figures}
 
 
+@router.get("/metrics")
+async def metrics(request: Request):
+    """Prometheus exposition (vLLM's spec-decode names, `phoenix:` prefix); no API key, like
+    /health, so a scraper needs no secret."""
+    return Response(_state(request).metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
 @router.get("/v1/models")
 async def list_models(request: Request):
     core = _ready_core(_state(request))
@@ -377,6 +387,7 @@ async def _complete(request: Request, req: CommonRequest, prompt_ids: list[int],
     if st.closing:
         raise APIError(503, "server is shutting down", "server_error", None, "shutting_down")
     if not st.admission.try_enter():
+        st.metrics.rejected.labels(reason="queue_full").inc()
         raise APIError(
             429,
             f"server busy: {st.admission.size} requests queued or running; retry later",
@@ -386,10 +397,13 @@ async def _complete(request: Request, req: CommonRequest, prompt_ids: list[int],
             headers={"Retry-After": "1"},
         )
 
+    admitted = time.monotonic()
+
     def work(on_text, cancel) -> CoreResult:
         with st.telemetry.request(mode, core.draft_id) as rec:
             res = core.generate(prompt_ids, max_tokens, mode, req.stop, on_text, cancel)
             rec.record(res)
+        st.metrics.record(res, time.monotonic() - admitted)
         return res
 
     job = Job(st, asyncio.get_running_loop(), work, streaming=req.stream)
@@ -528,6 +542,7 @@ def create_app(
         stuck_after_s=stuck_after_s,
         shutdown_timeout_s=shutdown_timeout_s,
     )
+    st.metrics = Metrics(queue_depth=lambda: st.admission.count, running=lambda: len(st.jobs))
 
     def load() -> None:
         try:
@@ -559,7 +574,7 @@ def create_app(
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if st.api_key and request.url.path != "/health":
+        if st.api_key and request.url.path not in ("/health", "/metrics"):
             if request.headers.get("authorization", "") != f"Bearer {st.api_key}":
                 return APIError(
                     401,

@@ -138,6 +138,16 @@ class TeacherClient:
                     r = self.session.get(self.base_url + "/models", timeout=10)
                     self._fail_on_auth(r)
                     last = f"GET {self.base_url}/models -> {r.status_code}"
+                    if r.status_code == 404:  # a server that is up, at the wrong path
+                        hint = (
+                            f"; OpenAI-compatible servers serve it under /v1: teacher.url="
+                            f"{self.base_url}/v1"
+                            if not self.base_url.endswith("/v1")
+                            else ""
+                        )
+                        raise TeacherRequestError(
+                            f"teacher has no {self.base_url}/models (404){hint}"
+                        )
                     if r.status_code == 200:
                         served = [m.get("id") for m in r.json().get("data", [])]
                         if model in served:

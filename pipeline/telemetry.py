@@ -88,13 +88,15 @@ class SentryRecorder(NullRecorder):
         for key, value in data.items():
             tx.set_data(key, value)
         self.sdk.logger.info(
-            "request mode={mode} arm={arm} latency={latency:.3f}s tokens/s={tps:.2f} accepted={accepted}/{proposed}",
+            "phoenix request mode={mode} arm={arm} latency={latency:.3f}s tokens/s={tps:.2f} "
+            "accepted={accepted}/{proposed}",
             mode=self.mode.name,
             arm=r.arm,
             latency=r.latency_s,
             tps=r.tokens_per_second,
             accepted=r.accepted,
             proposed=r.proposed,
+            attributes={"mode": self.mode.name, "arm": r.arm, **data},  # the transaction's fields
         )
         if res.decision is not None:
             d = res.decision

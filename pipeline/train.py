@@ -68,10 +68,13 @@ def train_inputs(cfg: Config, ws: Workspace) -> dict[str, Any]:
 
 
 def _process_state():
-    """accelerate's view of this process (main or not) under torchrun / accelerate launch."""
+    """accelerate's view of this process (main or not) under torchrun / accelerate launch. On a
+    machine without CUDA it must be told so (`cpu=True`), or every rank believes it is the main
+    process and they race to materialise the draft."""
+    import torch
     from accelerate import PartialState
 
-    return PartialState()
+    return PartialState(cpu=not torch.cuda.is_available())
 
 
 def run(cfg: Config, ws: Workspace, force: bool = False) -> dict[str, Any]:
@@ -123,9 +126,7 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
     from trl import SFTConfig, SFTTrainer
 
     t = cfg.train
-    with (
-        _process_state().main_process_first()
-    ):  # one process materialises the draft, others reuse it
+    with _process_state().main_process_first():  # one materialises the draft, others reuse it
         _, draft_ref = models.resolve_pair(cfg.models.target, cfg.models.draft, ws.models_cache)
     tok = models.load_tokenizer(draft_ref)
     on_gpu = torch.cuda.is_available() and cfg.models.device in ("auto", "cuda")

@@ -102,7 +102,11 @@ def workspace_lock(path: Path, job: str, run_id: str | None = None) -> Iterator[
     """Hold `path` (O_EXCL-created, JSON naming its holder: pid, host, job, run, start) while the
     block runs. A second process gets `LockHeld` (exit 6) at once, naming the holder; a lock
     left by a dead process on this host is cleared. Re-entrant within one process, so `retrain`
-    and `demo` hold it across the stages they run."""
+    and `demo` hold it across the stages they run. In a distributed launch (torchrun,
+    accelerate) rank 0 holds it for the whole job; the other ranks work under it."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        yield
+        return
     key = path.resolve() if path.exists() else path.absolute()
     with _held_guard:
         if key in _held:

@@ -107,21 +107,17 @@ def copy_workspace(src: Path, dst: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def distilled_ws(tmp_path_factory) -> Path:
-    """split, then `python -m pipeline distill` on configs/ci.yaml (the local tiny teacher), once
-    per session: the command-line end-to-end run of distill that test_teacher checks."""
-    if not MBPP.is_file():
-        pytest.skip(f"{MBPP} not present")
-    art = build_workspace(tmp_path_factory.mktemp("distilled"), ("split",))
-    r = run_cli("distill", *CI, "--artifacts", str(art))
-    assert r.returncode == 0, r.stderr[-3000:]
-    return art
+    """split + distill on configs/ci.yaml with the local tiny teacher (a real `serve` process),
+    once per session."""
+    art = tmp_path_factory.mktemp("distilled")
+    return build_workspace(art, ("split", "distill"), ("distill.limit=100",))
 
 
 @pytest.fixture(scope="session")
 def merged_ws(distilled_ws, tmp_path_factory) -> Path:
-    """distilled_ws, then train (full, ci.yaml, one epoch) and merge, once per session."""
+    """distilled_ws, then train (full, ci.yaml, two epochs) and merge, once per session."""
     art = copy_workspace(distilled_ws, tmp_path_factory.mktemp("merged") / "art")
-    return build_workspace(art, ("train", "merge"), ("train.epochs=1",))
+    return build_workspace(art, ("train", "merge"), ("distill.limit=100", "train.epochs=2"))
 
 
 def free_port() -> int:

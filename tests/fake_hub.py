@@ -14,9 +14,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class FakeHub:
-    def __init__(self, token="hf_test_token", fail_commits=0):
+    def __init__(self, token="hf_test_token", fail_commits=0, drop_commits=0):
         self.token = token
         self.fail_commits = fail_commits  # first N commits answer 500 (the client retries)
+        self.drop_commits = drop_commits  # then N commits lose their connection, unanswered
         self.repos: dict[
             str, dict
         ] = {}  # repo_id -> {"private", "files": {path: bytes}, "commits": [...]}
@@ -145,6 +146,11 @@ class FakeHub:
                     if hub.fail_commits > 0:
                         hub.fail_commits -= 1
                         return self._send(500, {"error": "internal error"})
+                    if hub.drop_commits > 0:
+                        hub.drop_commits -= 1
+                        self.close_connection = True
+                        self.connection.shutdown(2)
+                        return
                     summary, staged = None, {}
                     for line in raw.decode().splitlines():
                         item = json.loads(line)

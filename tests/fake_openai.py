@@ -39,6 +39,7 @@ class FakeOpenAI:
         }
         self.calls = {"health": 0, "models": 0, "chat": 0}
         self.chat_prompts: list[str] = []
+        self.chat_bodies: list[dict] = []  # every chat request body as received
         self.lock = threading.Lock()
         fake = self
 
@@ -68,6 +69,8 @@ class FakeOpenAI:
                 return True
 
             def do_GET(self):
+                if not self.path.startswith(("/health", "/v1/")):  # served under /v1 only
+                    return self._send(404, {"error": {"message": "not found"}})
                 with fake.lock:
                     if self.path == "/health":
                         fake.calls["health"] += 1
@@ -95,6 +98,7 @@ class FakeOpenAI:
                 if not self._authorized():
                     return
                 with fake.lock:
+                    fake.chat_bodies.append(body)
                     fake.calls["chat"] += 1
                     n = fake.calls["chat"]
                 prompt = body["messages"][-1]["content"]

@@ -79,7 +79,7 @@ def test_position_acceptance_and_bandit_summary():
 def test_bench_ci_end_to_end(merged_ws, tmp_path):
     """bench's command-line end-to-end test: a real process on the session's merged workspace."""
     art = copy_workspace(merged_ws, tmp_path / "art")
-    sets = ["--set", "bench.prompts=12", "--set", "bench.max_new_tokens=16"]
+    sets = ["--set", "bench.prompts=11", "--set", "bench.max_new_tokens=12"]
     r = run_cli("bench", *CI, "--artifacts", str(art), *sets)
     assert r.returncode == 0, r.stderr[-3000:]
     bench = art / "bench"
@@ -97,7 +97,7 @@ def test_bench_ci_end_to_end(merged_ws, tmp_path):
         ("distilled", "bandit"),
     }
     for row in results["rows"]:
-        assert row["requests"] == 12 and row["tokens_per_second"] > 0
+        assert row["requests"] == 11 and row["tokens_per_second"] > 0
         assert {
             "mean_latency_s",
             "p50_latency_s",
@@ -110,8 +110,8 @@ def test_bench_ci_end_to_end(merged_ws, tmp_path):
         assert (row["acceptance_rate"] is None) == (row["mode"] == "target")
         assert (row["arm_counts"] is not None) == (row["mode"] == "bandit")
         if row["mode"] == "bandit":
-            assert sum(row["arm_counts"].values()) == 12
-    assert len(results["requests"]) == 5 * 12
+            assert sum(row["arm_counts"].values()) == 11
+    assert len(results["requests"]) == 5 * 11
     assert set(results["position_acceptance"]) == {"base", "distilled"}
     # The distilled draft was trained on this target's answers: it must agree with it more often.
     gain = results["distillation_gain"]["fixed_4"]
@@ -233,3 +233,83 @@ def test_performance_benchmark_reports_the_three_figures(merged_ws, tmp_path):
     assert band["seed"]["explore"] == "uniform" and band["seed"]["post_warmup_requests"] == 2
     md = (art / "perf" / "performance.md").read_text()
     assert md in r.stdout and "| 1. self-draft fixed_4" in md and "| seed (explore: uniform)" in md
+
+
+def _runner_up_corruption(monkeypatch, target_model):
+    """Make every speculative output take the target's second choice at its first token: a
+    real near-tie if the margin allows it, else a mismatch."""
+    import torch
+
+    from pipeline.speculative.engine import SpeculativeEngine
+
+    real = SpeculativeEngine.generate
+
+    def runner_up(self, prompt_ids, k, max_new_tokens, **kw):
+        res = real(self, prompt_ids, k, max_new_tokens, **kw)
+        if k > 0 and max_new_tokens > 16 and res.token_ids:  # measured requests, not warm-ups
+            with torch.inference_mode():
+                logits = target_model(input_ids=torch.tensor([list(prompt_ids)])).logits[0, -1]
+            res.token_ids[0] = int(logits.topk(2).indices[1])
+        return res
+
+    monkeypatch.setattr(SpeculativeEngine, "generate", runner_up)
+
+
+@pytest.mark.parametrize("margin", [0.0, 1e6])
+def test_a_difference_is_a_near_tie_only_within_the_margin(
+    merged_ws, tmp_path, monkeypatch, margin
+):
+    """bf16 can round a verify pass unlike one-token steps: a difference where the target's own
+    scores are within `bench.lossless_margin` is reported, not failed; any other fails."""
+    from pipeline import bench, models
+    from pipeline.config import load_config
+    from pipeline.errors import VerificationError
+    from pipeline.telemetry import NullTelemetry
+    from pipeline.workspace import Workspace
+
+    art = tmp_path / "art"
+    shutil.copytree(merged_ws, art, ignore=shutil.ignore_patterns("bench"))
+    sets = ["bench.prompts=2", "bench.drafts=[base]", "bench.max_new_tokens=24"]
+    cfg = load_config("configs/ci.yaml", [*sets, f"bench.lossless_margin={margin}"])
+    target = models.load_pair(cfg, Workspace(art), None).target
+    _runner_up_corruption(monkeypatch, target)
+    if margin == 0.0:
+        with pytest.raises(VerificationError, match="lossless_margin"):
+            bench.run(cfg, Workspace(art), NullTelemetry())
+    else:
+        bench.run(cfg, Workspace(art), NullTelemetry())
+    results = json.loads((art / "bench" / "results.json").read_text())
+    assert results["identical"] is False
+    if margin == 0.0:
+        assert results["lossless"] is False and not results["near_ties"]
+    else:
+        ties = results["near_ties"]
+        assert results["lossless"] is True and len(ties) >= 2  # fixed_4's 2, + bandit's k>0
+        assert all(t["position"] == 0 and t["margin"] > 0 for t in ties)
+        assert f"Near-ties ({len(ties)}," in (art / "bench" / "report.md").read_text()
+
+
+def test_every_measured_mode_is_warmed_up_first(merged_ws, tmp_path, monkeypatch):
+    from pipeline import bench
+    from pipeline.config import load_config
+    from pipeline.speculative.engine import SpeculativeEngine
+    from pipeline.telemetry import NullTelemetry
+    from pipeline.workspace import Workspace
+
+    calls = []
+    real = SpeculativeEngine.generate
+
+    def record(self, prompt_ids, k, max_new_tokens, **kw):
+        calls.append((k, max_new_tokens))
+        return real(self, prompt_ids, k, max_new_tokens, **kw)
+
+    monkeypatch.setattr(SpeculativeEngine, "generate", record)
+    art = tmp_path / "art"
+    shutil.copytree(merged_ws, art, ignore=shutil.ignore_patterns("bench"))
+    sets = ["bench.prompts=2", "bench.drafts=[base]", "bench.fixed_arms=[2]"]
+    bench.run(load_config("configs/ci.yaml", sets), Workspace(art), NullTelemetry())
+    warm, n = 16, 32  # warm-ups are 16 tokens; ci.yaml measures 32
+    assert calls[:3] == [(0, warm), (0, n), (0, n)]  # target
+    assert calls[3:6] == [(2, warm), (2, n), (2, n)]  # fixed_2
+    assert calls[6:11] == [(a, warm) for a in (0, 2, 4, 6, 8)]  # every bandit arm, then measured
+    assert all(t == n for _, t in calls[11:]) and len(calls) == 13

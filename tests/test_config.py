@@ -25,6 +25,10 @@ def test_qwen3_is_the_reference_setup():
     assert cfg.models.target == "Qwen/Qwen3-1.7B" and cfg.models.draft == "Qwen/Qwen3-0.6B"
     assert cfg.teacher.max_tokens == 256 and cfg.bench.max_new_tokens == 128
     assert cfg.teacher.enable_thinking is False
+    # Production: no silent loss of traces. The demo and CI configs keep Sentry optional.
+    assert cfg.observability.required is True
+    for name in ("default.yaml", "ci.yaml"):
+        assert load_config(Path(CONFIGS[0]).parent / name).observability.required is False
 
 
 def test_unknown_key_names_key_and_file(tmp_path):

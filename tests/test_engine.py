@@ -29,10 +29,10 @@ def test_greedy_output_equals_target_alone_for_every_arm(engines, k):
     tok, cut, selfdraft = engines
     for text in PROMPTS:
         ids = ids_for(tok, text)
-        ref = cut.generate(ids, 0, 40)
+        ref = cut.generate(ids, 0, 24)
         assert ref.output_tokens > 0
         for eng in (cut, selfdraft):
-            r = eng.generate(ids, k, 40)
+            r = eng.generate(ids, k, 24)
             assert r.token_ids == ref.token_ids
             assert r.finish_reason == ref.finish_reason
 

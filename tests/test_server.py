@@ -341,3 +341,69 @@ def test_target_requests_are_batched_with_identical_output(tiny_models):
         assert all(r.status_code == 200 for r in together)
         assert [r.json()["choices"][0]["message"]["content"] for r in together] == one_by_one
     assert app.state.phoenix.core.batcher.max_rows > 1
+
+
+def test_stop_strings_are_held_back_until_final(tiny_models):
+    """A suffix that may grow into a stop string is not emitted until it is settled."""
+    from pipeline.serving import TextTracker
+
+    tok = tiny_models[0]
+    ids = list(tok("abc STOP def", add_special_tokens=False)["input_ids"])
+    t = TextTracker(tok, ["STOP"])
+    emitted = "".join(t.update(ids[:n]) for n in range(1, len(ids) + 1)) + t.rest()
+    assert t.stopped and emitted == t.text == "abc "
+    t = TextTracker(tok, ["STOP"])
+    assert t.update(list(tok("abc ST", add_special_tokens=False)["input_ids"])) == "abc "
+    assert not t.stopped and t.rest() == "ST"  # ended without the stop: the tail comes out
+
+
+def test_a_bad_row_is_refused_alone():
+    from pipeline.speculative.engine import TargetBatch
+
+    with pytest.raises(ValueError, match="non-empty prompt"):
+        TargetBatch.check_row([], 4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        TargetBatch.check_row([1, 2], 0)
+    TargetBatch.check_row([1], 1)
+
+
+def test_metrics_count_what_the_requests_did(tiny_models, tmp_path):
+    """Scrape /metrics after requests whose counts the responses report."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    app = create_app(lambda: tiny_core(tiny_models, tmp_path / "bandit.json"), queue_size=4)
+    with ServerThread(app) as s:
+        wait_http(s.url + "/health")
+        phs = [
+            post(s, CHAT, chat_body(max_tokens=20, phoenix={"mode": m})).json()["phoenix"]
+            for m in ("fixed:4", "fixed:2", "bandit", "target")
+        ]
+        app.state.phoenix.admission.count = 4  # full: the next request is refused
+        assert post(s, CHAT, chat_body()).status_code == 429
+        app.state.phoenix.admission.count = 0
+        text = requests.get(s.url + "/metrics", timeout=5).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for x in family.samples:
+            samples[(x.name, tuple(sorted(x.labels.items())))] = x.value
+
+    def value(name, **labels):
+        return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    assert value("phoenix:spec_decode_num_draft_tokens_total") == sum(p["proposed"] for p in phs)
+    assert value("phoenix:spec_decode_num_accepted_tokens_total") == sum(p["accepted"] for p in phs)
+    assert value("phoenix:spec_decode_num_drafts_total") == sum(
+        p["proposed_per_position"][0] for p in phs if p["proposed"]
+    )
+    for pos in range(4):
+        assert value(
+            "phoenix:spec_decode_num_accepted_tokens_per_pos_total", position=str(pos)
+        ) == sum(
+            p["accepted_per_position"][pos] for p in phs if len(p["accepted_per_position"]) > pos
+        )
+    assert value("phoenix:bandit_arm_choices_total", arm=str(phs[2]["arm"])) == 1
+    assert value("phoenix:request_rejected_total", reason="queue_full") == 1
+    assert value("phoenix:e2e_request_latency_seconds_count") == 4
+    assert value("phoenix:time_to_first_token_seconds_count") == 4
+    assert value("phoenix:num_requests_running") == 0
+    assert value("phoenix:generation_tokens_total") > 0

@@ -42,7 +42,7 @@ def split_into(cli, art, cache) -> None:
 
 def test_overlapping_distills_answer_each_prompt_once(tmp_path, mbpp_path, model_cache, cli):
     """A cron job overlapping a manual run: the second exits 6 naming the first; every answer
-    is asked for and written once."""
+    is asked for and written once. (The first is distill's command-line end-to-end run.)"""
     art = tmp_path / "art"
     split_into(cli, art, model_cache)
     with FakeOpenAI(delay_s=0.2) as fake:
@@ -68,6 +68,8 @@ def test_overlapping_distills_answer_each_prompt_once(tmp_path, mbpp_path, model
                 first.wait()
         assert len(answer_rows(art / "teacher" / "answers.jsonl")) == 40
         assert fake.calls["chat"] == 40
+    assert json.loads((art / "teacher" / "summary.json").read_text())["answers"] == 40
+    assert (art / "teacher" / "config.yaml").is_file()
     assert not (art / "phoenix.lock").exists()
 
 

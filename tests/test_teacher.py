@@ -202,25 +202,23 @@ def rows_of_safe(path):
     return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
 
 
-def test_distill_with_local_teacher_ci_config(distilled_ws, tmp_path):
-    """distill's command-line end-to-end test: the session's distilled workspace was made by a
-    `python -m pipeline distill` process with the local teacher (conftest.distilled_ws)."""
+def test_distill_with_local_teacher_ci_config(distilled_ws, tmp_path, cli):
+    """The local teacher: the session's distilled workspace (conftest.distilled_ws) was answered
+    by a `python -m pipeline serve` process that distill started and stopped."""
     art = distilled_ws
     summary = json.loads((art / "teacher" / "summary.json").read_text())
     assert summary["concurrency"] >= 16  # enough in flight to fill the local teacher's batches
-    assert summary["teacher"] == "local" and summary["answered_this_run"] == 200
+    assert summary["teacher"] == "local" and summary["answered_this_run"] == 100
     rows = rows_of(art)
-    assert len(rows) == 200 and all("completion_token_ids" in r for r in rows)
+    assert len(rows) == 100 and all("completion_token_ids" in r for r in rows)
     assert all(r["completion_tokens"] == len(r["completion_token_ids"]) for r in rows)
     # The local server was stopped: nothing listens or runs any more.
     out = subprocess.run(["pgrep", "-f", f"pipeline serve.*{art}"], capture_output=True, text=True)
     assert out.stdout.strip() == ""
     # A finished run is not repeated: nothing to do, no server started.
     art = copy_workspace(distilled_ws, tmp_path / "art")
-    r = run_cli("distill", *CI, "--artifacts", str(art))
-    assert (
-        r.returncode == 0 and "0 to go" in r.stderr and "starting the local teacher" not in r.stderr
-    )
+    r = cli("distill", *CI, "--artifacts", art, "--set", "distill.limit=100")
+    assert r.returncode == 0 and "0 to go" in r.log and "starting the local teacher" not in r.log
 
 
 @pytest.mark.slow
@@ -268,3 +266,39 @@ def test_interrupted_distill_leaves_no_local_server(tmp_path, mbpp_path, sig):
     assert not os.path.exists(f"/proc/{server[0]}"), "local teacher outlived the stage"
     # What was written is intact: every line is a whole row.
     assert all(line.endswith("}") for line in answers.read_text().splitlines())
+
+
+def test_what_is_sent_to_the_teacher(tmp_path, mbpp_path, cli):
+    """The request body a vLLM / SGLang teacher sees: the model, greedy, the configured budget,
+    and Qwen3's thinking switch off."""
+    art = tmp_path / "art"
+    with FakeOpenAI() as fake:
+        cfg = write_config(tmp_path, fake.url, max_tokens=77, enable_thinking=False)
+        assert cli("split", "--config", cfg, "--artifacts", art).returncode == 0
+        r = cli("distill", "--config", cfg, "--artifacts", art, "--set", "distill.limit=3")
+        assert r.returncode == 0, r.log
+        bodies = list(fake.chat_bodies)
+    assert len(bodies) == 3
+    for body in bodies:
+        assert body["model"] == "fake" and body["temperature"] == 0 and body["max_tokens"] == 77
+        assert body["chat_template_kwargs"] == {"enable_thinking": False}
+        assert body["messages"][0]["role"] == "user" and body["messages"][0]["content"]
+
+
+def test_thinking_switch_not_sent_when_unset(tmp_path, mbpp_path, cli):
+    art = tmp_path / "art"
+    with FakeOpenAI() as fake:
+        cfg = write_config(tmp_path, fake.url, enable_thinking=None)
+        assert cli("split", "--config", cfg, "--artifacts", art).returncode == 0
+        r = cli("distill", "--config", cfg, "--artifacts", art, "--set", "distill.limit=1")
+        assert r.returncode == 0, r.log
+        assert "chat_template_kwargs" not in fake.chat_bodies[0]
+
+
+def test_url_without_v1_fails_at_once_suggesting_it():
+    with FakeOpenAI() as fake:
+        root = fake.url.removesuffix("/v1")
+        t0 = time.monotonic()
+        with pytest.raises(TeacherRequestError, match=f"teacher.url={root}/v1"):
+            TeacherClient(root).wait_ready("fake", timeout_s=30)
+        assert time.monotonic() - t0 < 5  # not after the readiness timeout

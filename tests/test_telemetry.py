@@ -9,6 +9,7 @@ from pipeline.errors import ConfigError
 from pipeline.telemetry import NullTelemetry, describe_dsn, setup_telemetry
 from tests.conftest import CI, free_port, run_cli, start_serve
 from tests.fake_sentry import FakeSentry
+from tests.servers import SilentServer
 
 MODEL = "tiny:layers=2,hidden=64,seed=0"
 
@@ -79,7 +80,7 @@ def test_requests_send_transactions_spans_logs_and_profiles(tmp_path):
     assert txs["fixed_4"]["contexts"]["trace"]["data"]["profiler_id"] in profiler_ids
     # Structured logs: one per request, one per bandit decision.
     bodies = [entry["body"] for entry in sentry.logs()]
-    assert sum(b.startswith("request mode=") for b in bodies) == 3
+    assert sum(b.startswith("phoenix request mode=") for b in bodies) == 3
     decision = [e for e in sentry.logs() if e["body"].startswith("bandit decision")]
     assert len(decision) == 1 and "explored" in decision[0]["body"]
     assert "sentry.message.parameter.epsilon" in decision[0]["attributes"]
@@ -144,15 +145,22 @@ def test_setup_falls_back_to_the_null_twin(monkeypatch):
     assert describe_dsn("https://abc@o1.ingest.sentry.io/77") == ("o1.ingest.sentry.io:443", "77")
 
 
-def test_unreachable_sentry_never_breaks_serving(tmp_path):
-    dead = f"http://publickey123@127.0.0.1:{free_port()}/42"  # nothing listens there
-    proc, url = start_serve(tmp_path, {"SENTRY_DSN": dead}, mode="fixed:2")
-    try:
-        t0 = time.monotonic()
-        for _ in range(3):
-            body = chat(url, "fixed:2")
-            assert body["choices"][0]["message"]["content"] is not None
-        assert time.monotonic() - t0 < 30
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=60)  # shuts down promptly: the flush on exit is bounded too
+@pytest.mark.slow
+def test_a_sentry_that_never_answers_does_not_slow_serving(tmp_path):
+    """An ingest that accepts connections and never answers (worse than one that refuses)."""
+    with SilentServer() as silent:
+        dsn = f"http://publickey123@127.0.0.1:{silent.port}/42"
+        proc, url = start_serve(tmp_path, {"SENTRY_DSN": dsn}, mode="fixed:2")
+        try:
+            chat(url, "fixed:2")  # the first request also pays for warm-up
+            t0 = time.monotonic()
+            for _ in range(3):
+                body = chat(url, "fixed:2")
+                assert body["choices"][0]["message"]["content"] is not None
+            assert time.monotonic() - t0 < 10  # no request waits on Sentry (tiny model: ~0.1 s)
+            assert silent.accepted > 0  # the SDK did try to send
+        finally:
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=60)
+        assert time.monotonic() - t0 < 10  # the flush on exit is bounded too (2 s)

@@ -8,7 +8,7 @@ import yaml
 from safetensors.torch import load_file
 
 from pipeline.train import build_examples
-from tests.conftest import CI, build_workspace, copy_workspace, run_cli
+from tests.conftest import CI, copy_workspace, run_cli
 from tests.fake_hub import FakeHub
 
 TRAIN_SETTINGS = (
@@ -23,9 +23,13 @@ TRAIN = [x for s in TRAIN_SETTINGS for x in ("--set", s)]
 
 @pytest.fixture(scope="module")
 def lora_ws(distilled_ws, tmp_path_factory):
-    """The session's distilled workspace after 8 LoRA steps (TRAIN), trained once."""
+    """The session's distilled workspace after `python -m pipeline train` with 8 LoRA steps
+    (TRAIN), trained once: train's command-line end-to-end run."""
     art = copy_workspace(distilled_ws, tmp_path_factory.mktemp("lora") / "art")
-    return build_workspace(art, ("train",), TRAIN_SETTINGS)
+    r = run_cli("train", *CI, "--artifacts", str(art), *TRAIN)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (art / "adapter" / "config.yaml").is_file()  # the resolved config, beside the outputs
+    return art
 
 
 def test_examples_mask_the_prompt_and_keep_teacher_tokens():
@@ -172,10 +176,15 @@ def test_hub_push_to_a_local_hub_server(lora_ws, tmp_path, cli, monkeypatch):
     """merge's command-line end-to-end test: a real process pushes to a local Hub stand-in."""
     art = copy_workspace(lora_ws, tmp_path / "art")
     cfg = yaml.safe_load(open("configs/ci.yaml"))
-    cfg["publish"] = {"target": "hub", "repo_id": "phoenix/tiny-draft", "retries": 2}
+    cfg["publish"] = {
+        "target": "hub",
+        "repo_id": "phoenix/tiny-draft",
+        "retries": 2,
+        "retry_wait_s": 0.05,
+    }
     cfg_file = tmp_path / "hub.yaml"
     cfg_file.write_text(yaml.safe_dump(cfg))
-    with FakeHub(token="hf_secret_value", fail_commits=1) as hub:
+    with FakeHub(token="hf_secret_value", fail_commits=1, drop_commits=1) as hub:
         env = {
             "HF_ENDPOINT": hub.url,
             "HF_TOKEN": "hf_secret_value",
@@ -185,7 +194,8 @@ def test_hub_push_to_a_local_hub_server(lora_ws, tmp_path, cli, monkeypatch):
         r = run_cli("merge", "--config", str(cfg_file), "--artifacts", str(art), env=env)
         assert r.returncode == 0, r.stderr
         repo = hub.repos["phoenix/tiny-draft"]
-        assert repo["private"] is True and len(repo["commits"]) == 1  # the 500 was retried
+        assert repo["private"] is True and len(repo["commits"]) == 1  # the 500 and drop retried
+        assert r.stderr.count("Hub push failed; retry") == 2
         assert "Phoenix draft, run" in repo["commits"][0]["summary"]
         local = {p.name: p.read_bytes() for p in (art / "merged").iterdir()}
         del local["publish.json"]  # written after the push: where it went
@@ -237,3 +247,17 @@ def test_distributed_training_with_two_cpu_processes(distilled_ws, tmp_path):
     metrics = json.loads((art / "adapter" / "metrics.json").read_text())
     assert metrics["world_size"] == 2 and metrics["global_steps"] == 8
     assert (art / "adapter" / "model" / "adapter_model.safetensors").is_file()
+
+
+def test_merge_saves_and_verifies_in_the_configured_dtype(merged_ws, tmp_path, cli):
+    """bf16 (Qwen3's dtype): the weights are saved in it, and the check compares the fp32
+    reference with them, not a model with itself: a tolerance below bf16's rounding fails."""
+    art = copy_workspace(merged_ws, tmp_path / "art")
+    shutil.rmtree(art / "merged")
+    bf16 = ["--set", "models.dtype=bfloat16", "--set", "publish.target=none"]
+    r = cli("merge", *CI, "--artifacts", art, *bf16, "--set", "merge.atol=1e-7")
+    assert r.returncode == 4 and "differs" in r.log and not (art / "merged").exists()
+    r = cli("merge", *CI, "--artifacts", art, *bf16, "--set", "merge.atol=0.5")
+    assert r.returncode == 0, r.log
+    weights = load_file(str(art / "merged" / "model.safetensors"))
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}

@@ -47,6 +47,7 @@ class GenerationResult:
     rounds: int = 0
     proposed_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    first_token_s: float | None = None  # from the start to the first committed token
 
     @property
     def output_tokens(self) -> int:
@@ -169,6 +170,7 @@ class SpeculativeEngine:
         st.verify_s += time.perf_counter() - t0
 
         finish = "length"
+        first_token_s = None
         while len(st.out) < max_new_tokens:
             k_eff = min(k, max_new_tokens - len(st.out) - 1)
             if self.max_context is not None:
@@ -176,6 +178,8 @@ class SpeculativeEngine:
                     break
                 k_eff = max(0, min(k_eff, self.max_context - len(st.seq) - 1))
             new, eos = self.speculative_round(st, k_eff)
+            if first_token_s is None:
+                first_token_s = time.perf_counter() - start
             if new and on_tokens is not None:
                 on_tokens(new)
             if eos or (should_stop is not None and should_stop(st.out)):
@@ -195,6 +199,7 @@ class SpeculativeEngine:
             rounds=st.rounds,
             proposed_per_position=st.proposed_pos,
             accepted_per_position=st.accepted_pos,
+            first_token_s=first_token_s,
         )
 
     def speculative_round(self, st: _State, k: int) -> tuple[list[int], bool]:
@@ -262,6 +267,7 @@ class _Row:
     prompt_tokens: int
     start: float
     out: list[int] = field(default_factory=list)
+    first_at: float | None = None
 
 
 class TargetBatch:
@@ -375,6 +381,8 @@ class TargetBatch:
                 finished.append((row, "stop"))
                 continue
             row.out.append(nxt[i])
+            if row.first_at is None:
+                row.first_at = time.perf_counter()
             if len(row.out) < row.max_new_tokens:
                 keep.append(i)
             else:
@@ -392,6 +400,7 @@ class TargetBatch:
                     verify_s=now - row.start,
                     prompt_tokens=row.prompt_tokens,
                     rounds=len(row.out),
+                    first_token_s=row.first_at - row.start if row.first_at else None,
                 ),
             )
             for row, reason in finished

@@ -1,0 +1,94 @@
+"""Prometheus metrics for the server (`GET /metrics`), named like vLLM's with a `phoenix:` prefix
+so existing speculative-decoding dashboards carry over.
+
+One registry per app (tests run several apps in one process). Counters are exposed with the
+`_total` suffix, as vLLM's are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20)
+
+
+class Metrics:
+    def __init__(self, queue_depth: Callable[[], float], running: Callable[[], float]):
+        r = self.registry = CollectorRegistry()
+        self.num_drafts = Counter(
+            "phoenix:spec_decode_num_drafts", "Draft proposals (rounds that drafted).", registry=r
+        )
+        self.num_draft_tokens = Counter(
+            "phoenix:spec_decode_num_draft_tokens", "Draft tokens proposed.", registry=r
+        )
+        self.num_accepted_tokens = Counter(
+            "phoenix:spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r
+        )
+        self.accepted_per_pos = Counter(
+            "phoenix:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the proposal.",
+            ["position"],
+            registry=r,
+        )
+        self.arm_choices = Counter(
+            "phoenix:bandit_arm_choices", "Bandit decisions, by arm (k).", ["arm"], registry=r
+        )
+        self.generation_tokens = Counter(
+            "phoenix:generation_tokens", "Tokens generated for clients.", registry=r
+        )
+        self.request_success = Counter(
+            "phoenix:request_success",
+            "Finished requests, by finish reason.",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "phoenix:request_rejected",
+            "Requests refused, by reason (queue_full: a 429).",
+            ["reason"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "phoenix:e2e_request_latency_seconds",
+            "Admission to last token.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "phoenix:time_to_first_token_seconds",
+            "Admission to first token.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        waiting = Gauge(
+            "phoenix:num_requests_waiting", "Admitted requests not generating yet.", registry=r
+        )
+        waiting.set_function(lambda: max(0.0, queue_depth() - running()))
+        Gauge("phoenix:num_requests_running", "Requests generating.", registry=r).set_function(
+            running
+        )
+
+    def record(self, res, wall_s: float) -> None:
+        """One finished request: `res` is its CoreResult, `wall_s` admission to the end (the
+        wait for the models is what the engine's own latency does not cover)."""
+        r = res.result
+        queued_s = max(0.0, wall_s - r.latency_s)
+        if r.proposed:
+            self.num_drafts.inc(r.proposed_per_position[0] if r.proposed_per_position else 0)
+            self.num_draft_tokens.inc(r.proposed)
+            self.num_accepted_tokens.inc(r.accepted)
+            for pos, n in enumerate(r.accepted_per_position):
+                self.accepted_per_pos.labels(position=str(pos)).inc(n)
+        if res.decision is not None:
+            self.arm_choices.labels(arm=str(res.decision.arm)).inc()
+        self.generation_tokens.inc(r.output_tokens)
+        self.request_success.labels(finished_reason=res.finish_reason).inc()
+        self.latency.observe(wall_s)
+        if r.first_token_s is not None:
+            self.ttft.observe(queued_s + r.first_token_s)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
