@@ -48,7 +48,24 @@ CHATML_TEMPLATE = (
     "{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-TINY_DEFAULTS = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "seed": 0, "std": 0.2}
+# Qwen3's template in miniature: `enable_thinking=False` closes an empty think block in the
+# generation prompt, as the real one does (the switch the reference setup's teacher gets).
+QWEN3_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}"
+)
+
+TINY_DEFAULTS = {
+    "arch": "llama",  # or qwen3: q/k norms, tied embeddings, the thinking switch
+    "layers": 2,
+    "hidden": 64,
+    "heads": 4,
+    "kv_heads": 2,
+    "seed": 0,
+    "std": 0.2,
+}
 
 
 def embedded_gguf_path(name: str) -> Path:
@@ -148,7 +165,7 @@ def parse_tiny(spec: str) -> dict[str, Any]:
     return params
 
 
-def build_tiny_tokenizer():
+def build_tiny_tokenizer(template: str = CHATML_TEMPLATE):
     """A byte-level tokenizer (256 bytes + ChatML specials) with a chat template. No downloads."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -168,21 +185,30 @@ def build_tiny_tokenizer():
         pad_token="<|endoftext|>",
         bos_token="<|im_start|>",
     )
-    tok.chat_template = CHATML_TEMPLATE
+    tok.chat_template = template
     return tok
 
 
 def _build_tiny(spec: str, cache: Path) -> Path:
     p = parse_tiny(spec)
-    key = ",".join(f"{k}={p[k]}" for k in sorted(p))
+    if p["arch"] not in ("llama", "qwen3"):
+        raise ConfigError(f"bad tiny spec '{spec}': arch is llama or qwen3")
+    key = ",".join(f"{k}={p[k]}" for k in sorted(p) if k != "arch" or p[k] != "llama")
     out = cache / f"tiny-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (out / "config.json").is_file():
         return out
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
-    tok = build_tiny_tokenizer()
-    config = LlamaConfig(
+    qwen3 = p["arch"] == "qwen3"
+    tok = build_tiny_tokenizer(QWEN3_TEMPLATE if qwen3 else CHATML_TEMPLATE)
+    shape = dict(
         vocab_size=len(tok),
         hidden_size=p["hidden"],
         intermediate_size=p["hidden"] * 2,
@@ -191,13 +217,17 @@ def _build_tiny(spec: str, cache: Path) -> Path:
         num_key_value_heads=p["kv_heads"],
         max_position_embeddings=1024,
         initializer_range=p["std"],
-        tie_word_embeddings=True,
+        tie_word_embeddings=True,  # as the real SmolLM2 and Qwen3-0.6B/1.7B
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
+    if qwen3:
+        config = Qwen3Config(**shape, head_dim=p["hidden"] // p["heads"])
+    else:
+        config = LlamaConfig(**shape)
     torch.manual_seed(p["seed"])
-    model = LlamaForCausalLM(config)
+    model = (Qwen3ForCausalLM if qwen3 else LlamaForCausalLM)(config)
     model.generation_config = GenerationConfig(
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
     )

@@ -11,25 +11,24 @@ import pytest
 
 from pipeline.errors import LockHeld
 from pipeline.workspace import new_run_id, workspace_lock
-from tests.conftest import CI, ROOT, run_cli
-from tests.fake_openai import FakeOpenAI
+from tests.conftest import ROOT, run_cli
 
-# Small and fast; the gate's margin is set per test so it does not hinge on training quality.
+# The killed-run test's settings (ci.yaml); the gate's margin is set per test.
 RT = ["--set", "distill.limit=40", "--set", "bench.prompts=3", "--set", "train.max_steps=6"]
 RT += ["--set", "bench.max_new_tokens=8"]
 PROMOTE = ["--set", "retrain.min_gain=-1"]
 
 
 @pytest.fixture(scope="module")
-def rt(tmp_path_factory):
-    """Retrain's settings for this module: small, with an OpenAI-compatible teacher that answers
-    at once (the local teacher has its own end-to-end test in test_teacher)."""
-    with FakeOpenAI() as fake:
-        yield [*RT, "--set", f"teacher.url={fake.url}", "--set", "teacher.model=fake"]
+def rt():
+    """Retrain's settings for this module: the tiny Qwen3 pair (configs/ci-qwen3.yaml: q/k
+    norms, tied embeddings, the enable_thinking switch, a separate draft, LoRA) with the local
+    teacher: the code paths a Qwen3 user hits, end to end."""
+    return ["--config", "configs/ci-qwen3.yaml"]
 
 
 def retrain(root, rt, *extra):
-    return run_cli("retrain", *CI, "--artifacts", str(root), *rt, *extra)
+    return run_cli("retrain", "--artifacts", str(root), *rt, *extra)
 
 
 def runs_of(root):
@@ -62,6 +61,18 @@ def test_a_run_completes_and_is_promoted(promoted):
         manifest = json.loads((run / "manifests" / f"{stage}.json").read_text())
         assert manifest["outputs"] and all(manifest["outputs"].values())
     assert not (promoted / "phoenix.lock").exists()
+    # Qwen3 paths: the teacher rendered prompts with thinking off; LoRA was merged; lossless.
+    from pipeline import models
+
+    tok = models.load_tokenizer(str(run / "merged"))
+    answer = json.loads((run / "teacher" / "answers.jsonl").read_text().splitlines()[0])
+    off = models.user_prompt_ids(tok, answer["prompt"], {"enable_thinking": False})
+    assert answer["prompt_tokens"] == len(off) > len(models.user_prompt_ids(tok, answer["prompt"]))
+    assert json.loads((run / "adapter" / "metrics.json").read_text())["method"] == "lora"
+    assert json.loads((run / "merged" / "config.json").read_text())["architectures"] == [
+        "Qwen3ForCausalLM"
+    ]
+    assert json.loads((run / "bench" / "results.json").read_text())["lossless"] is True
     assert not (run / "cache").exists()  # models are cached once per artifacts root
 
 
@@ -70,7 +81,7 @@ def test_rerunning_a_finished_run_skips_every_stage(promoted, tmp_path, cli, rt)
     shutil.copytree(promoted, root, symlinks=True)
     (run_id,) = runs_of(root)
     before = (root / "runs" / run_id / "merged" / "model.safetensors").stat().st_mtime_ns
-    r = cli("retrain", *CI, "--artifacts", root, *rt, *PROMOTE, "--resume", run_id)
+    r = cli("retrain", "--artifacts", root, *rt, *PROMOTE, "--resume", run_id)
     assert r.returncode == 0, r.log[-2000:]
     assert r.log.count("is up to date: skipped") == 5 and "nothing to do" in r.log
     assert (root / "runs" / run_id / "merged" / "model.safetensors").stat().st_mtime_ns == before
@@ -88,7 +99,7 @@ def test_gate_refuses_a_draft_that_does_not_beat_the_promoted_one(promoted, tmp_
     info_file = root / "runs" / second / "run.json"
     info = json.loads(info_file.read_text())
     info_file.write_text(json.dumps({**info, "run_id": second, "status": "running"}))
-    r = cli("retrain", *CI, "--artifacts", root, *rt, "--set", "retrain.min_gain=0.5")
+    r = cli("retrain", "--artifacts", root, *rt, "--set", "retrain.min_gain=0.5")
     assert r.returncode == 5, r.log[-2000:]
     assert r.log.count("is up to date: skipped") == 5  # resumed the unfinished run, no work
     assert "not promoted" in r.log and f"promoted run {first}" in r.log
@@ -158,7 +169,7 @@ def test_a_second_run_exits_6_at_once_naming_the_holder(tmp_path, cli, rt):
                 {"pid": holder.pid, "host": socket.gethostname(), "job": "retrain", "run_id": "r1"}
             )
         )
-        r = cli("retrain", *CI, "--artifacts", root, *rt)
+        r = cli("retrain", "--artifacts", root, *rt)
         assert r.returncode == 6 and f"retrain (pid {holder.pid}" in r.log and "run r1" in r.log
         assert not (root / "runs").exists()  # nothing started
     finally:
