@@ -81,6 +81,9 @@ def test_requests_send_transactions_spans_logs_and_profiles(tmp_path):
     # Structured logs: one per request, one per bandit decision.
     bodies = [entry["body"] for entry in sentry.logs()]
     assert sum(b.startswith("phoenix request mode=") for b in bodies) == 3
+    request_log = next(e for e in sentry.logs() if e["body"].startswith("phoenix request"))
+    for key in ("latency_seconds", "tokens_per_second", "draft_accepted", "verify_seconds"):
+        assert key in request_log["attributes"], key  # the transaction's fields
     decision = [e for e in sentry.logs() if e["body"].startswith("bandit decision")]
     assert len(decision) == 1 and "explored" in decision[0]["body"]
     assert "sentry.message.parameter.epsilon" in decision[0]["attributes"]
