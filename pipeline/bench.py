@@ -86,7 +86,7 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
     target = models.load_pair(cfg, ws, None)
     ids = prompt_ids(cfg, target.tokenizer, rows)
     records = measure_all(cfg, ws, telemetry, drafts, rows, target, ids)
-    mismatches, near_ties = check_lossless(records, target.target, ids, cfg.bench.lossless_margin)
+    mismatches, near_ties = check_lossless(records, target, ids, cfg.bench.lossless_margin)
     results = summarise(cfg, ws, drafts, records, mismatches, near_ties)
     ws.bench.mkdir(parents=True, exist_ok=True)
     atomic_write_json(ws.bench_results, results)
@@ -189,28 +189,32 @@ def measure_mode(cfg, telemetry, core, draft, mode_text, ids, rows, label=None) 
 
 def check_lossless(records, target, ids, margin: float) -> tuple[list[str], list[dict]]:
     """Compare every speculative output with the target-only output of its prompt. At the first
-    position where they part, the target scores both tokens after the shared prefix: a gap of at
-    most `margin` is a numerical near-tie (half precision rounds a k+1-token verify pass unlike
-    one-token steps), reported but not a failure; anything else is a mismatch."""
-    reference = {r["prompt_index"]: r["token_ids"] for r in records if r["mode"] == "target"}
+    position where they part, the target scores both choices after the shared prefix (a token,
+    or the end of turn where one output stopped): a gap of at most `margin` is a numerical
+    near-tie (half precision rounds a k+1-token verify pass unlike one-token steps), reported but
+    not a failure; anything else is a mismatch. `target` is a `models.Pair`."""
+    reference = {r["prompt_index"]: r for r in records if r["mode"] == "target"}
+    eos = sorted(target.engine.eos_token_ids)
     mismatches, near_ties = [], []
     for r in records:
         ref = reference[r["prompt_index"]]
-        if r["mode"] == "target" or r["token_ids"] == ref:
+        if r["mode"] == "target" or r["token_ids"] == ref["token_ids"]:
             continue
-        at = _first_diff(r["token_ids"], ref)
+        at = _first_diff(r["token_ids"], ref["token_ids"])
         where = f"{r['draft']}/{r['mode']} prompt {r['prompt_index']} (task {r['task_id']})"
-        if at >= min(len(ref), len(r["token_ids"])):  # one ends early: not a choice of token
+        wanted, got = _choice(ref, at, eos), _choice(r, at, eos)
+        if wanted is None or got is None:  # cut by max_tokens, not a choice the target made
             mismatches.append(f"{where}: output length differs from target-only at token {at}")
             continue
-        gap = _score_gap(target, ids[r["prompt_index"]] + ref[:at], ref[at], r["token_ids"][at])
+        scores = _scores(target.target, ids[r["prompt_index"]] + ref["token_ids"][:at])
+        gap = _score_of(scores, wanted) - _score_of(scores, got)
         tie = {
             "draft": r["draft"],
             "mode": r["mode"],
             "prompt_index": r["prompt_index"],
             "position": at,
-            "target_token": ref[at],
-            "token": r["token_ids"][at],
+            "target_token": wanted,
+            "token": got,
             "margin": gap,
         }
         if gap <= margin:
@@ -218,20 +222,31 @@ def check_lossless(records, target, ids, margin: float) -> tuple[list[str], list
         else:
             mismatches.append(
                 f"{where}: output differs from target-only at token {at} (target prefers its "
-                f"token by {gap:.4f} > bench.lossless_margin {margin})"
+                f"choice by {gap:.4f} > bench.lossless_margin {margin})"
             )
     return mismatches, near_ties
 
 
-def _score_gap(model, prefix: list[int], mine: int, other: int) -> float:
-    """How much the target's score for `mine` exceeds `other`'s after `prefix` (one pass)."""
+def _choice(record: dict, at: int, eos: list[int]) -> int | list[int] | None:
+    """What a record chose at position `at`: a token id, the end of turn (the eos ids), or None
+    when it was cut there by its token budget."""
+    if at < len(record["token_ids"]):
+        return record["token_ids"][at]
+    return eos if record["finish_reason"] == "stop" else None
+
+
+def _scores(model, prefix: list[int]):
+    """The target's next-token scores after `prefix` (one pass, fp32)."""
     import torch
 
     with torch.inference_mode():
         dev = next(model.parameters()).device
         logits = model(input_ids=torch.tensor([prefix], device=dev), logits_to_keep=1).logits
-    row = logits[0, -1].float()
-    return float(row[mine] - row[other])
+    return logits[0, -1].float()
+
+
+def _score_of(scores, choice: int | list[int]) -> float:
+    return float(scores[choice].max()) if isinstance(choice, list) else float(scores[choice])
 
 
 def summarise(cfg, ws, drafts, records, mismatches, near_ties=()) -> dict[str, Any]:

@@ -124,7 +124,7 @@ def run(cfg: Config, ws: Workspace) -> dict[str, Any]:
 
     info["merged_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     info["published"] = publish.publish(cfg, ws, ws.merged)
-    atomic_write_json(ws.merged / "publish.json", info)  # where it went (after the push)
+    atomic_write_json(ws.merged / publish.PUSH_RECORD, info)  # where it went (after the push)
     return info
 
 

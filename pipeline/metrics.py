@@ -86,6 +86,8 @@ class Metrics:
             self.arm_choices.labels(arm=str(res.decision.arm)).inc()
         self.generation_tokens.inc(r.output_tokens)
         self.request_success.labels(finished_reason=res.finish_reason).inc()
+        if res.finish_reason == "abort":  # the client left: no latency to report
+            return
         self.latency.observe(wall_s)
         if r.first_token_s is not None:
             self.ttft.observe(queued_s + r.first_token_s)

@@ -45,6 +45,11 @@ def publish(cfg: Config, ws: Workspace, folder: Path, rid: str | None = None) ->
     return push_hub(cfg, folder, rid)
 
 
+# merge's record of where a draft was pushed, kept beside the weights in merged/ but never pushed
+# (it would say "not pushed" inside every copy promoted later).
+PUSH_RECORD = "publish.json"
+
+
 def registry_root(cfg: Config, ws: Workspace) -> Path:
     return Path(cfg.publish.registry) if cfg.publish.registry else ws.root / "registry"
 
@@ -52,7 +57,7 @@ def registry_root(cfg: Config, ws: Workspace) -> Path:
 def push_local(model_root: Path, folder: Path, rid: str) -> dict[str, Any]:
     """Each push is a new immutable version: copied under a temporary name, then renamed."""
     model_root.mkdir(parents=True, exist_ok=True)
-    digest = content_hash(folder)
+    digest = content_hash(folder, exclude=[PUSH_RECORD])
     for existing in sorted(model_root.glob("v*")):
         meta = existing / "phoenix-version.json"
         if meta.exists() and json.loads(meta.read_text()).get("content_sha256") == digest:
@@ -67,7 +72,7 @@ def push_local(model_root: Path, folder: Path, rid: str) -> dict[str, Any]:
     version = f"v{n:04d}-{rid}"
     tmp = make_temp_dir(model_root, f".{version}.")
     try:
-        shutil.copytree(folder, tmp, dirs_exist_ok=True)
+        shutil.copytree(folder, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns(PUSH_RECORD))
         (tmp / "phoenix-version.json").write_text(
             json.dumps({"version": version, "run_id": rid, "content_sha256": digest}, indent=2)
             + "\n"
@@ -114,6 +119,7 @@ def push_hub(cfg: Config, folder: Path, rid: str) -> dict[str, Any]:
             api.create_repo(p.repo_id, private=p.private, exist_ok=True)
             info = api.upload_folder(
                 folder_path=str(folder),
+                ignore_patterns=[PUSH_RECORD],
                 repo_id=p.repo_id,
                 commit_message=f"Phoenix draft, run {rid}",
             )

@@ -219,13 +219,16 @@ class Job:
 
     def stop(self) -> None:
         """The caller is done with this job, however it ended: stop generating if still running."""
-        if not self.future.done():
-            self.cancel.set()
+        self.cancel.set()  # harmless once generation has ended
         if self.watcher is not None:
             self.watcher.cancel()
 
     def _run(self) -> None:
-        self.future.set_running_or_notify_cancel()
+        if not self.future.set_running_or_notify_cancel():  # the caller gave up before the start
+            self._release()
+            if self.pieces is not None:
+                self._push(None)
+            return
         on_text = self._push if self.pieces is not None else None
         try:
             self.future.set_result(self.work(on_text, self.cancel))
@@ -286,7 +289,7 @@ async def health(request: Request):
             {"status": "error" if st.error else "loading", "detail": st.error}, status_code=503
         )
     stalled = st.core.heartbeat.stalled_s()
-    figures = {"admitted": st.admission.count, "generating": len(st.jobs)}
+    figures = {"admitted": st.admission.count, "generating": st.core.generating}
     if stalled > st.stuck_after_s:
         detail = f"generation has made no progress for {stalled:.0f} s"
         return JSONResponse({"status": "stuck", "detail": detail, **figures}, status_code=503)
@@ -542,7 +545,10 @@ def create_app(
         stuck_after_s=stuck_after_s,
         shutdown_timeout_s=shutdown_timeout_s,
     )
-    st.metrics = Metrics(queue_depth=lambda: st.admission.count, running=lambda: len(st.jobs))
+    st.metrics = Metrics(
+        queue_depth=lambda: st.admission.count,
+        running=lambda: st.core.generating if st.core is not None else 0,
+    )
 
     def load() -> None:
         try:

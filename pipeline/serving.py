@@ -192,6 +192,7 @@ class TargetBatcher:
         self.heartbeat = heartbeat or Heartbeat()
         self.queue: queue.Queue[BatchSlot] = queue.Queue()
         self.max_rows = 0  # the most rows one step carried
+        self._active = 0  # rows generating now
         threading.Thread(target=self._work, name="phoenix-batcher", daemon=True).start()
 
     def submit(
@@ -228,6 +229,24 @@ class TargetBatcher:
                 live.append(slot)
         return live
 
+    def _fail_cancelled_waiting(self) -> None:
+        """While the batch is full, callers that left stop waiting for room (in order kept)."""
+        waiting: list[BatchSlot] = []
+        while True:
+            try:
+                waiting.append(self.queue.get_nowait())
+            except queue.Empty:
+                break
+        for slot in waiting:
+            if slot.cancelled:
+                slot.finish(error=Cancelled("cancelled while waiting for the batch"))
+            else:
+                self.queue.put(slot)
+
+    @property
+    def active_rows(self) -> int:
+        return self._active
+
     def _work(self) -> None:
         batch = TargetBatch(self.engine)
         while True:
@@ -236,13 +255,17 @@ class TargetBatcher:
                 if batch.joinable
                 else []
             )
+            if batch.active >= self.max_batch:
+                self._fail_cancelled_waiting()
             try:
                 with self.lock:
                     for slot in batch.drop(lambda s: s.cancelled):
                         slot.finish(error=Cancelled("cancelled mid-generation"))
                     batch.add([(slot, (slot.prompt, slot.max_tokens)) for slot in new])
                     self.max_rows = max(self.max_rows, batch.active)
+                    self._active = batch.active
                     finished = batch.step()
+                    self._active = batch.active
                 self.heartbeat.beat()
             except Exception as exc:  # every caller in the batch hears of it
                 for slot in {*batch.keys(), *new}:
@@ -276,6 +299,7 @@ class ServingCore:
         self.default_mode = parse_mode(default_mode, bandit.arms, self.has_draft)
         self.state_file = state_file
         self.lock = threading.Lock()
+        self._in_engine = False  # a speculative generation holds the lock
         self.heartbeat = Heartbeat()
         self.batcher = (
             TargetBatcher(engine, self.lock, max_batch, heartbeat=self.heartbeat)
@@ -285,6 +309,11 @@ class ServingCore:
         if state_file is not None:
             outcome = load_bandit(bandit, state_file)
             log.info("bandit state %s: %s", state_file, outcome)
+
+    @property
+    def generating(self) -> int:
+        """Requests generating now (not those waiting for the lock or the batch)."""
+        return int(self._in_engine) + (self.batcher.active_rows if self.batcher else 0)
 
     @property
     def max_context(self) -> int | None:
@@ -336,9 +365,11 @@ class ServingCore:
             result = self.batcher.submit(prompt_ids, max_tokens, cancel)
         else:
             self._acquire(cancel)
+            self._in_engine = True
             try:
                 result = self.engine.generate(prompt_ids, k, max_tokens, should_stop=should_stop)
             finally:
+                self._in_engine = False
                 self.lock.release()
         if not tracker.stopped:
             tracker.update(result.token_ids)
@@ -346,7 +377,8 @@ class ServingCore:
         if tail and on_text is not None:
             on_text(tail)
         cancelled = cancel is not None and cancel.is_set()
-        finish = "stop" if tracker.stopped else result.finish_reason
+        # vLLM's name for a request whose client left: not a success, not a stop string.
+        finish = "abort" if cancelled else ("stop" if tracker.stopped else result.finish_reason)
         if decision is not None and not cancelled:
             self.bandit.update(k, result.tokens_per_second)
             if self.state_file is not None:

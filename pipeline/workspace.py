@@ -99,7 +99,7 @@ def _alive(pid: int) -> bool:
 
 @contextlib.contextmanager
 def workspace_lock(path: Path, job: str, run_id: str | None = None) -> Iterator[None]:
-    """Hold `path` (O_EXCL-created, JSON naming its holder: pid, host, job, run, start) while the
+    """Hold `path` (linked into place whole, JSON naming its holder: pid, host, job, run, start) while the
     block runs. A second process gets `LockHeld` (exit 6) at once, naming the holder; a lock
     left by a dead process on this host is cleared. Re-entrant within one process, so `retrain`
     and `demo` hold it across the stages they run. In a distributed launch (torchrun,
@@ -129,9 +129,31 @@ def workspace_lock(path: Path, job: str, run_id: str | None = None) -> Iterator[
         "run_id": run_id,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    # The holder is written to a private file first and linked into place: whoever reads the
+    # lock sees a whole record, never an empty file being written.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    tmp.write_text(json.dumps(me))
+    try:
+        _take_lock(path, tmp, me)
+    finally:
+        tmp.unlink(missing_ok=True)
+    with _held_guard:
+        _held[path.resolve()] = 1
+    try:
+        yield
+    finally:
+        with _held_guard:
+            _held.pop(path.resolve(), None)
+        with contextlib.suppress(OSError, ValueError):  # release only our own lock
+            if json.loads(path.read_text()).get("pid") == me["pid"]:
+                path.unlink()
+
+
+def _take_lock(path: Path, tmp: Path, me: dict) -> None:
     for _ in range(3):
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            os.link(tmp, path)  # atomic: fails if the lock exists
+            return
         except FileExistsError:
             try:
                 holder = json.loads(path.read_text())
@@ -143,24 +165,13 @@ def workspace_lock(path: Path, job: str, run_id: str | None = None) -> Iterator[
                 raise LockHeld(
                     f"another Phoenix job holds {path}: {holder.get('job', 'retrain')} "
                     f"(pid {holder.get('pid')} on {holder.get('host')}{run}, since "
-                    f"{holder.get('started')}); wait for it to finish, or use another --artifacts"
+                    f"{holder.get('started')}); wait for it to finish, or use another "
+                    "--artifacts (a job on another host that is gone: remove the file)"
                 ) from None
             log.warning(
                 "clearing a stale lock %s (holder %s is gone)", path, holder or "unreadable"
             )
             path.unlink(missing_ok=True)
-            continue
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-        with _held_guard:
-            _held[path.resolve()] = 1
-        try:
-            yield
-        finally:
-            with _held_guard:
-                _held.pop(path.resolve(), None)
-            path.unlink(missing_ok=True)
-        return
     raise LockHeld(f"could not take the lock {path}")
 
 
@@ -180,10 +191,11 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f"{int(now % 1 * 1e6):06d}Z"
 
 
-def content_hash(folder: Path) -> str:
-    """One sha256 over a directory's files (relative names and contents)."""
+def content_hash(folder: Path, exclude: Iterable[str] = ()) -> str:
+    """One sha256 over a directory's files (relative names and contents), but `exclude`d names."""
     h = hashlib.sha256()
-    for f in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+    skip = set(exclude)
+    for f in sorted(p for p in Path(folder).rglob("*") if p.is_file() and p.name not in skip):
         h.update(f.relative_to(folder).as_posix().encode())
         h.update(sha256_file(f).encode())
     return h.hexdigest()

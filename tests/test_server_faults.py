@@ -136,6 +136,9 @@ def test_generation_for_a_client_that_left_stops_at_the_next_round(slow_server, 
     before = valve.calls
     t0 = time.monotonic()
     leave(s.url, CHAT, body(stream=True, max_tokens=900, mode="fixed:0"))
+    while valve.calls == before and time.monotonic() - t0 < 5:  # it did start generating
+        time.sleep(0.01)
+    assert valve.calls > before
     settle(s.url)
     # 900 tokens would take 900 passes (9 s or more); the job ended within a few rounds.
     assert valve.calls - before < 150 and time.monotonic() - t0 < 5

@@ -297,9 +297,10 @@ class TargetBatch:
     def drop(self, predicate: Callable[[object], bool]) -> list:
         """Remove the rows whose key satisfies `predicate` (callers that left); returns their
         keys. The other rows go on unchanged."""
-        gone = [row.key for row in self.rows if predicate(row.key)]
+        flags = [predicate(row.key) for row in self.rows]  # once: a flag may flip meanwhile
+        gone = [row.key for row, f in zip(self.rows, flags, strict=True) if f]
         if gone:
-            self._select([i for i, row in enumerate(self.rows) if not predicate(row.key)])
+            self._select([i for i, f in enumerate(flags) if not f])
         return gone
 
     def _select(self, keep: list[int]) -> None:
