@@ -137,7 +137,10 @@ def what_was_kept(stage: str, ws: Workspace) -> str:
         )
         return f"writing {ckpts}: {kept} (an incomplete checkpoint is discarded)"
     if stage == "merge":
-        return f"{ws.merged} and the registry are as they were before this merge"
+        return (
+            f"{ws.merged} is swapped in whole (the previous draft or the new verified one) and "
+            "the registry never holds a partial version"
+        )
     if stage == "retrain":
         return "the run's finished stages are kept (runs/<id>/manifests); a rerun resumes at the failed one"
     return f"files under {ws.root} are replaced whole or not at all: earlier outputs are unchanged"

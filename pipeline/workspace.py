@@ -104,7 +104,7 @@ def workspace_lock(path: Path, job: str, run_id: str | None = None) -> Iterator[
     left by a dead process on this host is cleared. Re-entrant within one process, so `retrain`
     and `demo` hold it across the stages they run. In a distributed launch (torchrun,
     accelerate) rank 0 holds it for the whole job; the other ranks work under it."""
-    if int(os.environ.get("RANK", "0")) != 0:
+    if os.environ.get("RANK", "0").strip() not in ("", "0"):  # a non-zero rank of a launch
         yield
         return
     key = path.resolve() if path.exists() else path.absolute()
