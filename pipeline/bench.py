@@ -90,9 +90,10 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
     results = summarise(cfg, ws, drafts, records, mismatches, near_ties)
     ws.bench.mkdir(parents=True, exist_ok=True)
     atomic_write_json(ws.bench_results, results)
-    atomic_write_text(ws.bench / "report.md", report.markdown(results))
+    text = report.markdown(results)
+    atomic_write_text(ws.bench / "report.md", text)
     report.write_plots(results, records, ws.bench)
-    log.info("bench: report at %s\n%s", ws.bench / "report.md", report.markdown(results))
+    log.info("bench: report at %s\n%s", ws.bench / "report.md", text)
     if mismatches:
         raise VerificationError(
             f"lossless check failed for {len(mismatches)} outputs: " + "; ".join(mismatches[:5])

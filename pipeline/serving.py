@@ -166,6 +166,17 @@ class BatchSlot:
         self.done.set()
 
 
+def _live(slots: list[BatchSlot]) -> list[BatchSlot]:
+    """The slots whose caller is still there; the others hear that they never joined."""
+    live = []
+    for slot in slots:  # one look at each flag: it may flip meanwhile
+        if slot.cancelled:
+            slot.finish(error=Cancelled("cancelled while waiting for the batch"))
+        else:
+            live.append(slot)
+    return live
+
+
 class TargetBatcher:
     """Gathers concurrent target-only requests and generates them as one padded batch that new
     requests join as they arrive (continuous batching, `engine.TargetBatch`).
@@ -221,27 +232,18 @@ class TargetBatcher:
                 slots.append(self.queue.get_nowait())
             except queue.Empty:
                 break
-        live = []
-        for slot in slots:  # a caller that left while waiting never joins
-            if slot.cancelled:
-                slot.finish(error=Cancelled("cancelled while waiting for the batch"))
-            else:
-                live.append(slot)
-        return live
+        return _live(slots)
 
     def _fail_cancelled_waiting(self) -> None:
-        """While the batch is full, callers that left stop waiting for room (in order kept)."""
+        """While the batch is full, callers that left stop waiting for room (order kept)."""
         waiting: list[BatchSlot] = []
         while True:
             try:
                 waiting.append(self.queue.get_nowait())
             except queue.Empty:
                 break
-        for slot in waiting:
-            if slot.cancelled:
-                slot.finish(error=Cancelled("cancelled while waiting for the batch"))
-            else:
-                self.queue.put(slot)
+        for slot in _live(waiting):
+            self.queue.put(slot)
 
     @property
     def active_rows(self) -> int:
