@@ -378,9 +378,10 @@ def test_metrics_count_what_the_requests_did(tiny_models, tmp_path):
             post(s, CHAT, chat_body(max_tokens=20, phoenix={"mode": m})).json()["phoenix"]
             for m in ("fixed:4", "fixed:2", "bandit", "target")
         ]
-        app.state.phoenix.admission.count = 4  # full: the next request is refused
+        admission = app.state.phoenix.admission
+        admission.size = 0  # full: the next request is refused
         assert post(s, CHAT, chat_body()).status_code == 429
-        app.state.phoenix.admission.count = 0
+        admission.size = 4
         text = requests.get(s.url + "/metrics", timeout=5).text
     samples = {}
     for family in text_string_to_metric_families(text):
