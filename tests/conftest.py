@@ -63,24 +63,31 @@ class CliResult:
     log: str  # what the run logged: its stderr when run as a process
 
 
-@pytest.fixture
-def cli(caplog):
-    """`python -m pipeline ARGS` in this process: the command line's own code path (config,
-    lock, stage, exit code), without paying an interpreter and a torch import per call. Each
-    stage has one test that runs it as a real process too."""
+def run_main(*args) -> int:
+    """`main()` in this process (its exit code); pytest's signal handlers are restored after."""
     from pipeline.__main__ import main
 
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return main([str(a) for a in args])
+    finally:
+        for sig, handler in saved.items():  # main() installs its own
+            signal.signal(sig, handler)
+
+
+@pytest.fixture
+def cli(caplog):
+    """`python -m pipeline ARGS` in this process: the command line's own code path (config,
+    lock, stage, exit code), without paying an interpreter and a torch import per call. Real
+    `python -m pipeline` processes run in a few tests and in `make test-slow`."""
     caplog.set_level(logging.INFO)
 
     def run(*args: str) -> CliResult:
         caplog.clear()
-        code = main([str(a) for a in args])
+        code = run_main(*args)
         return CliResult(code, caplog.text)
 
-    yield run
-    for sig, handler in saved.items():  # main() installs its own
-        signal.signal(sig, handler)
+    return run
 
 
 def build_workspace(art: Path, stages: tuple[str, ...], overrides: tuple[str, ...] = ()) -> Path:

@@ -79,7 +79,7 @@ def test_position_acceptance_and_bandit_summary():
 def test_bench_ci_end_to_end(merged_ws, tmp_path):
     """bench's command-line end-to-end test: a real process on the session's merged workspace."""
     art = copy_workspace(merged_ws, tmp_path / "art")
-    sets = ["--set", "bench.prompts=11", "--set", "bench.max_new_tokens=12"]
+    sets = ["--set", "bench.prompts=11", "--set", "bench.max_new_tokens=8"]
     r = run_cli("bench", *CI, "--artifacts", str(art), *sets)
     assert r.returncode == 0, r.stderr[-3000:]
     bench = art / "bench"

@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.errors import LockHeld
 from pipeline.workspace import new_run_id, workspace_lock
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, run_main
 
 # The killed-run test's settings (ci.yaml); the gate's margin is set per test.
 RT = ["--set", "distill.limit=40", "--set", "bench.prompts=3", "--set", "train.max_steps=6"]
@@ -27,24 +27,20 @@ def rt():
     return ["--config", "configs/ci-qwen3.yaml"]
 
 
-def retrain(root, rt, *extra):
-    return run_cli("retrain", "--artifacts", str(root), *rt, *extra)
-
-
 def runs_of(root):
     return sorted(p.name for p in (root / "runs").iterdir())
 
 
 @pytest.fixture(scope="module")
 def promoted(tmp_path_factory, rt):
-    """retrain's command-line end-to-end run: a real process, promoted (the gate's margin is -1)."""
+    """retrain through the command line's `main()`, promoted (the gate's margin is -1); as a
+    real process it runs in test-slow (killed and resumed)."""
     from tests.conftest import MBPP
 
     if not MBPP.is_file():
         pytest.skip("MBPP not present")
     root = tmp_path_factory.mktemp("rt")
-    r = retrain(root, rt, *PROMOTE)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert run_main("retrain", "--artifacts", root, *rt, *PROMOTE) == 0
     return root
 
 

@@ -223,7 +223,7 @@ def _careless_client(url: str, until: float, seed: int, counts: dict, lock) -> N
 
 
 @pytest.mark.parametrize(
-    "seconds", [3, pytest.param(90, marks=pytest.mark.slow, id="90s")], ids=lambda x: f"{x}s"
+    "seconds", [2, pytest.param(90, marks=pytest.mark.slow, id="90s")], ids=lambda x: f"{x}s"
 )
 def test_soak_careless_clients_in_every_mode(tiny_models, seconds):
     """Several clients mixing every mode, streaming and not, hanging up before the first byte,

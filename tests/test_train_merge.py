@@ -2,13 +2,14 @@ import json
 import shutil
 from pathlib import Path
 
+import huggingface_hub.constants
 import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
 
 from pipeline.train import build_examples
-from tests.conftest import CI, copy_workspace, run_cli
+from tests.conftest import CI, copy_workspace, run_main
 from tests.fake_hub import FakeHub
 
 TRAIN_SETTINGS = (
@@ -23,11 +24,10 @@ TRAIN = [x for s in TRAIN_SETTINGS for x in ("--set", s)]
 
 @pytest.fixture(scope="module")
 def lora_ws(distilled_ws, tmp_path_factory):
-    """The session's distilled workspace after `python -m pipeline train` with 8 LoRA steps
-    (TRAIN), trained once: train's command-line end-to-end run."""
+    """The session's distilled workspace after `train` with 8 LoRA steps (TRAIN), trained once
+    through the command line's `main()` (as a real process: the DDP test in test-slow)."""
     art = copy_workspace(distilled_ws, tmp_path_factory.mktemp("lora") / "art")
-    r = run_cli("train", *CI, "--artifacts", str(art), *TRAIN)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert run_main("train", *CI, "--artifacts", art, *TRAIN) == 0
     assert (art / "adapter" / "config.yaml").is_file()  # the resolved config, beside the outputs
     return art
 
@@ -173,7 +173,8 @@ def test_dry_run_pushes_nothing(lora_ws, tmp_path, cli):
 
 
 def test_hub_push_to_a_local_hub_server(lora_ws, tmp_path, cli, monkeypatch):
-    """merge's command-line end-to-end test: a real process pushes to a local Hub stand-in."""
+    """A push to a local Hub stand-in that fails once with a 500 and once with a dropped
+    connection (merge as a real process: `python -m pipeline demo` in test-slow)."""
     art = copy_workspace(lora_ws, tmp_path / "art")
     cfg = yaml.safe_load(open("configs/ci.yaml"))
     cfg["publish"] = {
@@ -185,26 +186,25 @@ def test_hub_push_to_a_local_hub_server(lora_ws, tmp_path, cli, monkeypatch):
     cfg_file = tmp_path / "hub.yaml"
     cfg_file.write_text(yaml.safe_dump(cfg))
     with FakeHub(token="hf_secret_value", fail_commits=1, drop_commits=1) as hub:
-        env = {
-            "HF_ENDPOINT": hub.url,
-            "HF_TOKEN": "hf_secret_value",
-            "HF_HUB_DISABLE_XET": "1",
-            "HF_HUB_DISABLE_TELEMETRY": "1",
-        }
-        r = run_cli("merge", "--config", str(cfg_file), "--artifacts", str(art), env=env)
-        assert r.returncode == 0, r.stderr
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
+        monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+        # HF_HUB_DISABLE_XET=1, as this process would have read it at import: the stand-in
+        # speaks the plain (LFS) upload API only.
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
+        r = cli("merge", "--config", cfg_file, "--artifacts", art)
+        assert r.returncode == 0, r.log
         repo = hub.repos["phoenix/tiny-draft"]
         assert repo["private"] is True and len(repo["commits"]) == 1  # the 500 and drop retried
-        assert r.stderr.count("Hub push failed; retry") == 2
+        assert r.log.count("Hub push failed; retry") == 2
         assert "Phoenix draft, run" in repo["commits"][0]["summary"]
         local = {p.name: p.read_bytes() for p in (art / "merged").iterdir()}
         del local["publish.json"]  # written after the push: where it went
         assert repo["files"] == local  # the complete model, byte for byte
         assert hub.card_metadata["tags"][0] == "phoenix"
-        assert "hf_secret_value" not in r.stderr + r.stdout
+        assert "hf_secret_value" not in r.log
         assert "hf_secret_value" not in (art / "merged" / "publish.json").read_text()
         # A wrong token fails clearly, without retry storms, and without printing the token.
-        monkeypatch.setenv("HF_ENDPOINT", hub.url)
         monkeypatch.setenv("HF_TOKEN", "hf_wrong")
         r = cli("merge", "--config", cfg_file, "--artifacts", art)
         assert r.returncode != 0 and "refused the token" in r.log and "hf_wrong" not in r.log
