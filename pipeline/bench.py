@@ -84,10 +84,13 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
         )
     rows = read_jsonl(ws.test_file)[: cfg.bench.prompts]
     target = models.load_pair(cfg, ws, None)
+    compiled = models.compile_engine(cfg, ws, target.engine, [0])
     ids = prompt_ids(cfg, target.tokenizer, rows)
-    records = measure_all(cfg, ws, telemetry, drafts, rows, target, ids)
+    engines = {"none": {"compiled": compiled}}
+    records = measure_all(cfg, ws, telemetry, drafts, rows, target, ids, engines)
     mismatches, near_ties = check_lossless(records, target, ids, cfg.bench.lossless_margin)
     results = summarise(cfg, ws, drafts, records, mismatches, near_ties)
+    results["engine"] = engine_summary(cfg, records, engines)
     ws.bench.mkdir(parents=True, exist_ok=True)
     atomic_write_json(ws.bench_results, results)
     text = report.markdown(results)
@@ -101,8 +104,11 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
     return {"lossless": True, "rows": len(results["rows"])}
 
 
-def measure_all(cfg: Config, ws: Workspace, telemetry, drafts, rows, target, ids) -> list[dict]:
-    """One record per (draft, mode, prompt): target-only first, then each draft's modes."""
+def measure_all(
+    cfg: Config, ws: Workspace, telemetry, drafts, rows, target, ids, engines: dict
+) -> list[dict]:
+    """One record per (draft, mode, prompt): target-only first, then each draft's modes.
+    `engines[draft]` gets how each draft's engine ran (compiled, its head subset)."""
     draft_specs = {"base": cfg.models.draft, "distilled": str(ws.merged)}
     model_id = cfg.models.served_name or cfg.models.target
     records: list[dict] = []
@@ -124,6 +130,10 @@ def measure_all(cfg: Config, ws: Workspace, telemetry, drafts, rows, target, ids
     measure(core_of(target, None), "none", "target")
     for draft in drafts:
         pair = models.load_pair(cfg, ws, draft_specs[draft], share_target=target)
+        engines[draft] = {
+            "compiled": models.compile_engine(cfg, ws, pair.engine, cfg.bandit.arms),
+            "head_ids": pair.engine.draft_head_ids,
+        }
         state = ws.bench / f"bandit-{draft}.json" if cfg.bench.bandit_state == "persist" else None
         core = core_of(pair, draft, state=state)
         for k in cfg.bench.fixed_arms:
@@ -248,6 +258,24 @@ def _scores(model, prefix: list[int]):
 
 def _score_of(scores, choice: int | list[int]) -> float:
     return float(scores[choice].max()) if isinstance(choice, list) else float(scores[choice])
+
+
+def engine_summary(cfg: Config, records: list[dict], engines: dict) -> dict[str, Any]:
+    """How the engines ran, and each pruned draft head's coverage of the held-out answers
+    (the target-only outputs: the tokens the draft has to guess)."""
+    answers = [t for r in records if r["mode"] == "target" for t in r["token_ids"]]
+    out: dict[str, Any] = {"compile": cfg.engine.compile, "draft_vocab": cfg.engine.draft_vocab}
+    for draft, info in engines.items():
+        row = {"compiled": info["compiled"]}
+        head = info.get("head_ids")
+        if head is not None:
+            inside = set(head)
+            row["head_tokens"] = len(inside)
+            row["heldout_coverage"] = (
+                sum(t in inside for t in answers) / len(answers) if answers else None
+            )
+        out[draft] = row
+    return out
 
 
 def summarise(cfg, ws, drafts, records, mismatches, near_ties=()) -> dict[str, Any]:

@@ -118,6 +118,37 @@ class ServerConfig(Section):
     )
 
 
+class EngineConfig(Section):
+    compile: Literal["auto", "true", "false"] = Field(
+        "false",
+        description="Static KV caches + torch.compile'd step functions (CUDA graphs on a GPU). "
+        "auto: compile where it works, else eager with one warning; true: fail loudly; false: "
+        "eager with growing caches.",
+    )
+    backend: str = Field(
+        "inductor",
+        description="torch.compile backend (inductor generates kernels; aot_eager, used by the "
+        "tests, traces without generating any).",
+    )
+    max_context: int = Field(
+        1024,
+        ge=64,
+        description="Static cache length when compiling (prompt + output, tokens); every step "
+        "attends over all of it, so keep it near what requests need.",
+    )
+    draft_vocab: int = Field(
+        0,
+        ge=0,
+        description="The draft proposes only among the N most frequent tokens of the training "
+        "answers (recorded by the train stage); 0: the full vocabulary.",
+    )
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_bool(cls, v: Any) -> Any:
+        return str(v).lower() if isinstance(v, bool) else v  # YAML reads `true` as a bool
+
+
 class BenchConfig(Section):
     max_new_tokens: int = Field(128, ge=1)
     lossless_margin: float = Field(
@@ -216,6 +247,7 @@ class Config(Section):
     distill: DistillConfig = Field(default_factory=DistillConfig)
     bandit: BanditConfig = Field(default_factory=BanditConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
     bench: BenchConfig = Field(default_factory=BenchConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     merge: MergeConfig = Field(default_factory=MergeConfig)

@@ -85,6 +85,8 @@ def run(cfg: Config, ws: Workspace) -> dict[str, Any]:
     try:
         merged.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        if (trained / models.TOKEN_COUNTS).is_file():  # engine.draft_vocab reads them
+            shutil.copy(trained / models.TOKEN_COUNTS, tmp / models.TOKEN_COUNTS)
         base_gen = Path(metrics["base_draft"]) / "generation_config.json"
         if not (tmp / "generation_config.json").exists() and base_gen.exists():
             shutil.copy(base_gen, tmp / "generation_config.json")

@@ -23,7 +23,7 @@ from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, InputError
+from .errors import ConfigError, InputError, PhoenixError
 from .workspace import make_temp_dir, sha256_file
 
 log = logging.getLogger(__name__)
@@ -386,6 +386,60 @@ class Pair:
         return self.engine.draft
 
 
+TOKEN_COUNTS = "token_counts.json"  # beside a trained draft: its training answers' token counts
+
+
+def write_token_counts(path: Path, rows: list[dict]) -> dict[str, Any]:
+    """Count the completion tokens of pre-tokenised training rows (`input_ids` +
+    `completion_mask`) and write them, most frequent first, to `path`."""
+    import json
+    from collections import Counter
+
+    counts = Counter(
+        t for r in rows for t, m in zip(r["input_ids"], r["completion_mask"], strict=True) if m
+    )
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    data = {"tokens": sum(counts.values()), "counts": [[t, n] for t, n in ranked]}
+    path.write_text(json.dumps(data) + "\n")
+    return data
+
+
+def top_tokens(counts: list[list[int]], n: int, vocab: int, always: list[int]) -> list[int]:
+    """The `n` draft-head ids: `always` (end-of-turn), then by count, then by id (BPE ids run
+    roughly from frequent to rare merges, a prior for tokens the answers never used)."""
+    chosen = dict.fromkeys(always)
+    for t, _ in counts:
+        if len(chosen) >= n:
+            break
+        chosen.setdefault(t)
+    i = 0
+    while len(chosen) < n and i < vocab:
+        chosen.setdefault(i)
+        i += 1
+    return list(chosen)
+
+
+def draft_token_ids(cfg, ws, draft_ref: str, vocab: int, eos: list[int]) -> list[int] | None:
+    """The draft head's subset per `engine.draft_vocab` (None: full), from the token counts
+    recorded beside the draft (a merged draft), else beside this workspace's merged draft
+    (the base draft shares its tokenizer and answers)."""
+    import json
+
+    n = cfg.engine.draft_vocab
+    if not n:
+        return None
+    if n > vocab:
+        raise ConfigError(f"engine.draft_vocab={n} is larger than the vocabulary ({vocab} tokens)")
+    found = [p for p in (Path(draft_ref) / TOKEN_COUNTS, ws.merged / TOKEN_COUNTS) if p.is_file()]
+    if not found:
+        raise ConfigError(
+            f"engine.draft_vocab={n} needs the token counts the train stage records "
+            f"({TOKEN_COUNTS}); there are none beside the draft {draft_ref} or in {ws.merged}: "
+            "run train and merge first, or set engine.draft_vocab=0"
+        )
+    return top_tokens(json.loads(found[0].read_text())["counts"], n, vocab, eos)
+
+
 def load_pair(cfg, ws, draft: str | None, share_target: Pair | None = None) -> Pair:
     """The one loader: target, draft, tokenizer and engine per config, for the server, the bench
     and every benchmark script. `draft`: a spec (`cfg.models.draft`, a merged directory, `cut:N`),
@@ -412,7 +466,76 @@ def load_pair(cfg, ws, draft: str | None, share_target: Pair | None = None) -> P
         draft_model = load_model(draft_ref, m.dtype, device)
     else:
         draft_ref, draft_model = None, None
+    eos = eos_ids(tok, target)
+    subset = None
+    if draft_model is not None and draft_ref != SELF:
+        subset = draft_token_ids(cfg, ws, draft_ref, draft_model.config.vocab_size, eos)
     engine = SpeculativeEngine(
-        target, draft_model, eos_token_ids=eos_ids(tok, target), pad_token_id=tok.pad_token_id
+        target,
+        draft_model,
+        eos_token_ids=eos,
+        pad_token_id=tok.pad_token_id,
+        static_len=cfg.engine.max_context if cfg.engine.compile != "false" else None,
+        draft_token_ids=subset,
+        share_target=share_target.engine if share_target is not None else None,
     )
     return Pair(tok, engine, target_ref, draft_ref)
+
+
+GQA_ENV = "TRANSFORMERS_SDPA_FORCE_GQA"
+
+
+def use_cpu_gqa() -> None:
+    """For a CPU engine's compiled steps: SDPA's grouped-query attention with the static
+    cache's mask (transformers' TRANSFORMERS_SDPA_FORCE_GQA), instead of copying every
+    key/value head `num_heads / num_kv_heads` times over the whole cache length at every step
+    (README, issue 16). Process-wide: compiled graphs guard on it, and eager attention gives the
+    same scores either way. CUDA keeps the default: masked GQA takes its slow math kernel there."""
+    import os
+
+    os.environ.setdefault(GQA_ENV, "1")
+
+
+def compile_engine(cfg, ws, engine, arms: list[int]) -> bool:
+    """Per `engine.compile`: compile the engine's step functions and warm every shape `arms`
+    use, logging progress, with torch's caches under <artifacts>/cache/compile (a restart is
+    warm). `auto` falls back to eager with one warning; `true` raises. Returns whether the
+    engine runs compiled."""
+    import os
+    import time
+
+    how = cfg.engine.compile
+    if how == "false":
+        return False
+    cache = ws.compile_cache
+    cache.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
+    mode = "reduce-overhead" if engine.device.type == "cuda" else None  # CUDA graphs
+    t0 = time.perf_counter()
+    log.info(
+        "engine: compiling step functions (%s%s); first start takes minutes, later ones reuse %s",
+        engine.device.type,
+        ", CUDA graphs" if mode else "",
+        cache,
+    )
+
+    def progress(which: str, n: int, i: int, total: int, secs: float) -> None:
+        log.info("engine: warmed %s step, %d token(s) [%d/%d] in %.1f s", which, n, i, total, secs)
+
+    try:
+        engine.compile_steps(arms, mode=mode, backend=cfg.engine.backend)
+        if engine.device.type == "cpu":
+            use_cpu_gqa()
+        engine.warm_up(arms, progress)
+    except Exception as exc:  # noqa: BLE001 - any compile failure means eager under auto
+        engine.uncompile()
+        reason = (
+            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        )
+        if how == "true":
+            raise PhoenixError(f"engine.compile=true: compiling failed: {reason}") from exc
+        log.warning("engine.compile=auto: running eager, compiling failed: %s", reason)
+        engine.warm_up(arms)
+        return False
+    log.info("engine: compiled and warm in %.1f s", time.perf_counter() - t0)
+    return True

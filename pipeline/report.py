@@ -149,6 +149,24 @@ def _bandit_lines(title: str, b: dict) -> list[str]:
     ]
 
 
+def engine_line(engine: dict) -> str:
+    """How the engines ran: compiled or eager, and each pruned draft head's coverage."""
+    parts = []
+    for name, row in engine.items():
+        if not isinstance(row, dict):
+            continue
+        text = (
+            f"{'target' if name == 'none' else name}: {'compiled' if row['compiled'] else 'eager'}"
+        )
+        if row.get("head_tokens"):
+            cov = row.get("heldout_coverage")
+            text += f", draft head {row['head_tokens']} tokens" + (
+                f" covering {cov:.1%} of the held-out answers' tokens" if cov is not None else ""
+            )
+        parts.append(text)
+    return f"Engine (engine.compile={engine['compile']}): " + "; ".join(parts) + "."
+
+
 def markdown(results: dict) -> str:
     env = results["environment"]
     lines = [
@@ -169,6 +187,8 @@ def markdown(results: dict) -> str:
         ),
         "",
     ]
+    if results.get("engine"):
+        lines += [engine_line(results["engine"]), ""]
     target = next((r for r in results["rows"] if r["mode"] == "target"), None)
     for draft in results["drafts"]:
         rows = ([target] if target else []) + [r for r in results["rows"] if r["draft"] == draft]

@@ -370,8 +370,9 @@ def _check(st: ServerState, core: ServingCore, req: CommonRequest, prompt_ids: l
         )
     ctx = core.max_context
     if ctx is not None and len(prompt_ids) + max_tokens > ctx:
+        static = " (the static cache's length, engine.max_context)" if core.static_context else ""
         raise bad_request(
-            f"this model's maximum context length is {ctx} tokens; the prompt has "
+            f"this model's maximum context length is {ctx} tokens{static}; the prompt has "
             f"{len(prompt_ids)} and max_tokens asks for {max_tokens}",
             "messages",
             "context_length_exceeded",

@@ -321,6 +321,11 @@ class ServingCore:
     def max_context(self) -> int | None:
         return self.engine.max_context
 
+    @property
+    def static_context(self) -> bool:
+        """Whether max_context is the static caches' length (engine.max_context)."""
+        return self.engine.static_len is not None and self.engine.static_len == self.max_context
+
     def mode(self, text: str | None) -> Mode:
         return (
             self.default_mode
@@ -400,6 +405,7 @@ def build_core(cfg, ws, mode: str | None = None) -> ServingCore:
     """Load models per config and build the core. Target-only mode skips loading the draft."""
     mode = mode or cfg.server.mode
     pair = models.load_pair(cfg, ws, None if mode == "target" else cfg.models.draft)
+    models.compile_engine(cfg, ws, pair.engine, cfg.bandit.arms if pair.draft_ref else [0])
     return ServingCore(
         pair.engine,
         pair.tokenizer,

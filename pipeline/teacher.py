@@ -285,7 +285,9 @@ def local_teacher(cfg: Config, ws: Workspace) -> Iterator[str]:
     """Start `python -m pipeline serve --mode target` on a free loopback port; yield its URL."""
     ws.teacher.mkdir(parents=True, exist_ok=True)
     cfg_file = ws.teacher / ".local-teacher.yaml"
-    atomic_write_text(cfg_file, dump_config(cfg))
+    # Its answers run in padded batches, which stay eager: compiling would only cost start-up.
+    eager = cfg.engine.model_copy(update={"compile": "false", "draft_vocab": 0})
+    atomic_write_text(cfg_file, dump_config(cfg.model_copy(update={"engine": eager})))
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != cfg.server.api_key_env}
     log_path = ws.teacher / "local-teacher.log"

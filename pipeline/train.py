@@ -197,6 +197,7 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
     try:
         trainer.model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        counted = models.write_token_counts(tmp / models.TOKEN_COUNTS, rows)  # draft_vocab's
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -208,7 +209,8 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
         "method": t.method,
         "base_draft": draft_ref,
         "examples": len(rows),
-        "completion_tokens": sum(sum(r["completion_mask"]) for r in rows),
+        "completion_tokens": counted["tokens"],
+        "distinct_completion_tokens": len(counted["counts"]),
         "global_steps": trainer.state.global_step,
         "resumed_from": resume,
         "train_loss": result.training_loss,

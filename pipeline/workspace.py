@@ -74,6 +74,11 @@ class Workspace:
         return self.cache / "models"
 
     @property
+    def compile_cache(self) -> Path:
+        """torch.compile's on-disk caches (Inductor, AOTAutograd, dynamic-shape profiles)."""
+        return self.cache / "compile"
+
+    @property
     def lock_file(self) -> Path:
         return self.root / LOCK_NAME
 

@@ -80,6 +80,7 @@ def test_bench_ci_end_to_end(merged_ws, tmp_path):
     """bench's command-line end-to-end test: a real process on the session's merged workspace."""
     art = copy_workspace(merged_ws, tmp_path / "art")
     sets = ["--set", "bench.prompts=11", "--set", "bench.max_new_tokens=8"]
+    sets += ["--set", "engine.draft_vocab=64"]  # both drafts guess among 64 recorded tokens
     r = run_cli("bench", *CI, "--artifacts", str(art), *sets)
     assert r.returncode == 0, r.stderr[-3000:]
     bench = art / "bench"
@@ -116,7 +117,11 @@ def test_bench_ci_end_to_end(merged_ws, tmp_path):
     # The distilled draft was trained on this target's answers: it must agree with it more often.
     gain = results["distillation_gain"]["fixed_4"]
     assert gain["distilled"] > gain["base"]
+    engine = results["engine"]
+    for draft in ("base", "distilled"):
+        assert engine[draft]["head_tokens"] == 64 and 0 < engine[draft]["heldout_coverage"] <= 1
     report = (bench / "report.md").read_text()
+    assert "draft head 64 tokens covering" in report
     assert "| fixed_4 |" in report and "one run" in report and "Lossless: **yes**" in report
     for png in ("tokens_per_second.png", "bandit_arms.png", "acceptance_by_position.png"):
         assert (bench / png).read_bytes()[:4] == b"\x89PNG"
@@ -313,3 +318,24 @@ def test_every_measured_mode_is_warmed_up_first(merged_ws, tmp_path, monkeypatch
     assert calls[3:6] == [(2, warm), (2, n), (2, n)]  # fixed_2
     assert calls[6:11] == [(a, warm) for a in (0, 2, 4, 6, 8)]  # every bandit arm, then measured
     assert all(t == n for _, t in calls[11:]) and len(calls) == 13
+
+
+def test_gpu_script_runs_on_the_cpu(tmp_path, mbpp_path):
+    """benchmarks/gpu.sh --device cpu --quick: the GPU evidence script's own path, end to end
+    (setup found, split, the engine benchmark's generation part eager and compiled), on the
+    tiny CI pair."""
+    out = tmp_path / "evidence"
+    r = subprocess.run(
+        ["bash", "benchmarks/gpu.sh", "--device", "cpu", "--quick", "--out", str(out),
+         "--config", "configs/ci.yaml", "--merged", "none", "--set", "engine.backend=eager"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    summary = (out / "summary.txt").read_text()
+    assert r.returncode == 0, summary + r.stderr[-2000:]
+    assert "split: exit 0" in summary and "engine: exit 0" in summary, summary
+    assert "bench: skipped" in summary
+    engine = json.loads((out / "engine.json").read_text())
+    rows = engine["generate"]
+    assert {"target-only eager", "target-only compiled", "self-draft fixed_4 compiled"} <= set(rows)
+    assert all(r["identical_to_target_only"] and r["tokens_per_second"] > 0 for r in rows.values())
+    assert "| target-only compiled |" in (out / "engine.md").read_text()

@@ -150,6 +150,13 @@ def test_full_finetune_then_merge_verifies_and_publishes(merged_ws):
     assert all(torch.equal(merged[k], trained[k]) for k in trained)
     published = json.loads((art / "merged" / "publish.json").read_text())["published"]
     assert (Path(published["path"]) / "model.safetensors").is_file()
+    # The train stage counted the answers' tokens; they travel with the draft (draft_vocab).
+    counts = json.loads((art / "merged" / "token_counts.json").read_text())
+    assert counts["tokens"] == metrics["completion_tokens"] == sum(n for _, n in counts["counts"])
+    assert [n for _, n in counts["counts"]] == sorted(
+        (n for _, n in counts["counts"]), reverse=True
+    )
+    assert (Path(published["path"]) / "token_counts.json").is_file()
 
 
 def test_failed_verification_publishes_nothing(lora_ws, tmp_path, cli):

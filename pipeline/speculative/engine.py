@@ -12,6 +12,15 @@ longest prefix with d_i == p_i is accepted, and p(m+1) (the target's correction,
 token when all k matched) is committed too. Both caches are then cropped to what is valid. Every
 committed token is the target's own greedy choice, so the output equals target-only greedy
 decoding for every k (arm 0 runs the same loop with no draft work at all).
+
+Two cost cutters, neither of which changes a committed token:
+  - static caches (`static_len`): both caches are preallocated once per engine; a rejected
+    guess moves the cache position back (stale entries are masked and later overwritten). With
+    `compile_steps` the short feeds (one-token decode, the verify of k+1, the draft's catch-up)
+    run through `torch.compile`d step functions; prefill stays eager.
+  - a pruned draft head (`draft_token_ids`): the draft scores only a subset of the vocabulary
+    (the most frequent tokens of its training answers). A token outside the subset is simply
+    never guessed; verification always uses the target's full vocabulary.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer
 
 # CPU only: a linear layer over 2..SKINNY_MAX_ROWS rows (a verify pass, a draft's catch-up, a
@@ -68,8 +77,8 @@ class _State:
     the counts the result reports."""
 
     seq: list[int]
-    t_cache: DynamicCache
-    d_cache: DynamicCache | None
+    t_cache: DynamicCache | StaticCache
+    d_cache: DynamicCache | StaticCache | None
     proposed_pos: list[int]
     accepted_pos: list[int]
     out: list[int] = field(default_factory=list)
@@ -82,7 +91,9 @@ class _State:
 
 def _skinny_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
-    if 2 <= rows <= SKINNY_MAX_ROWS and not torch.is_grad_enabled():
+    # Compiled, the bound would only cost a recompile at 9 rows (arm 8's verify).
+    top = rows if torch.compiler.is_compiling() else SKINNY_MAX_ROWS
+    if 2 <= rows <= top and not torch.is_grad_enabled():
         y = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).t()).t()
         if self.bias is not None:
             y = y + self.bias
@@ -102,18 +113,65 @@ def use_skinny_linears(model: torch.nn.Module) -> int:
     return n
 
 
-def _crop_to(cache: DynamicCache, length: int) -> None:
-    extra = cache.get_seq_length() - length
+def _crop_to(cache: DynamicCache | StaticCache, length: int) -> None:
+    """Keep the first `length` positions. A static cache only moves its position back."""
+    extra = int(cache.get_seq_length()) - length
     if extra > 0:
         cache.crop(-extra)  # transformers 5: a negative count of tokens to drop
+
+
+def _static_cache(model, length: int) -> StaticCache:
+    """A preallocated batch-1 cache of `length` positions, initialised now (outside any compiled
+    region, so its tensors keep fixed addresses)."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    p = next(model.parameters())
+    with torch.inference_mode(False):  # plain tensors: the loop moves positions outside it
+        cache = StaticCache(config=c, max_cache_len=length)
+        cache.early_initialization(1, c.num_key_value_heads, head_dim, p.dtype, p.device)
+    return cache
+
+
+def target_logits(model, inp: torch.Tensor, cache, keep: int) -> torch.Tensor:
+    """The target's scores for the last `keep` positions of one fed row."""
+    return model(input_ids=inp, cache=cache, use_cache=True, logits_to_keep=keep).logits[0]
+
+
+def draft_token(model, inp: torch.Tensor, cache, head, head_ids) -> torch.Tensor:
+    """The draft's greedy next token after one fed row; with `head` (rows of the output
+    embedding for `head_ids`) only those tokens are scored."""
+    if head is None:
+        return (
+            model(input_ids=inp, cache=cache, use_cache=True, logits_to_keep=1)
+            .logits[0, -1]
+            .argmax()
+        )
+    hidden = model.base_model(input_ids=inp, cache=cache, use_cache=True).last_hidden_state
+    return head_ids[F.linear(hidden[0, -1], head).argmax()]
+
+
+def _reset(cache: StaticCache) -> None:
+    for layer in cache.layers:
+        layer.cumulative_length.zero_()
 
 
 class SpeculativeEngine:
     """A target and an optional same-tokenizer draft, both on one device, greedy decoding."""
 
     def __init__(
-        self, target, draft=None, eos_token_ids: Sequence[int] = (), pad_token_id: int | None = None
+        self,
+        target,
+        draft=None,
+        eos_token_ids: Sequence[int] = (),
+        pad_token_id: int | None = None,
+        static_len: int | None = None,
+        draft_token_ids: Sequence[int] | None = None,
+        share_target: SpeculativeEngine | None = None,
     ):
+        """`static_len`: preallocated caches of that many positions (needed to compile);
+        `draft_token_ids`: prune the draft's head to these ids; `share_target`: an engine over
+        the same target whose static cache and compiled target step this one reuses (engines
+        that share must not generate at the same time)."""
         self.target = target
         self.draft = draft
         self.eos_token_ids = set(eos_token_ids)
@@ -131,13 +189,136 @@ class SpeculativeEngine:
                 f"({target.config.vocab_size}): they must share a tokenizer"
             )
         limits = [getattr(m.config, "max_position_embeddings", None) for m in (target, draft) if m]
-        self.max_context = min(x for x in limits if x) if any(limits) else None
+        self._model_context = min(x for x in limits if x) if any(limits) else None
+        self.static_len: int | None = None
+        self.max_context = self._model_context
+        if static_len is not None:
+            self.static_len = min(static_len, self._model_context or static_len)
+            self.max_context = self.static_len
+        self._t_cache: StaticCache | None = None  # static caches, made on first use
+        self._d_cache: StaticCache | None = None
+        self._draft_ids: torch.Tensor | None = None
+        self._draft_head: torch.Tensor | None = None
+        if draft_token_ids is not None:
+            self.prune_draft_head(draft_token_ids)
+        self._target_step, self._draft_step = target_logits, draft_token
+        self.compiled = False
+        self.max_feed = 0  # feeds up to this long use the step functions; longer ones: eager
+        self._shared = share_target
+        if share_target is not None:
+            if share_target.target is not target or share_target.static_len != self.static_len:
+                raise ValueError("share_target: another target, or another static cache length")
+            self._target_step = share_target._target_step
+
+    def prune_draft_head(self, token_ids: Sequence[int]) -> None:
+        """Score draft guesses only over `token_ids` (a slice of the draft's output head, made
+        here; the draft model itself is not changed, so it may be shared or be the target)."""
+        if self.draft is None:
+            raise ValueError("a pruned draft head needs a draft")
+        ids = torch.tensor(sorted(set(int(t) for t in token_ids)), dtype=torch.long)
+        vocab = self.draft.config.vocab_size
+        if len(ids) == 0 or int(ids.max()) >= vocab or int(ids.min()) < 0:
+            raise ValueError(f"draft head subset must be ids in [0, {vocab}), got {len(ids)} ids")
+        weight = self.draft.get_output_embeddings().weight
+        self._draft_ids = ids.to(self.device)
+        self._draft_head = weight.detach()[self._draft_ids].clone()
+
+    @property
+    def draft_head_ids(self) -> list[int] | None:
+        """The ids the draft's head scores; None: the full vocabulary."""
+        return None if self._draft_ids is None else self._draft_ids.tolist()
+
+    def compile_steps(
+        self, arms: Sequence[int], mode: str | None = None, backend: str = "inductor"
+    ) -> None:
+        """Run the short feeds of these arms (one-token decode, each verify of k+1, the draft's
+        catch-up) through `torch.compile`d step functions; prefill stays eager. Needs static
+        caches. Each shape compiles on first use (`warm_up` triggers them all). `mode` is
+        torch.compile's: None on a CPU, "reduce-overhead" to capture CUDA graphs."""
+        if self.static_len is None:
+            raise ValueError("compiled steps need static caches (static_len)")
+        self.max_feed = max(arms, default=0) + 1
+        if self._shared is not None and self._shared.compiled:
+            self._target_step = self._shared._target_step
+            self.max_feed = max(self.max_feed, self._shared.max_feed)
+        else:
+            self._target_step = torch.compile(target_logits, mode=mode, backend=backend)
+        self._draft_step = torch.compile(draft_token, mode=mode, backend=backend)
+        self.compiled = True
+
+    def uncompile(self) -> None:
+        """Back to eager step functions and growing caches (after a compile that failed under
+        `compile: auto`): eager, a static cache only costs attention over its whole length."""
+        self._target_step, self._draft_step = target_logits, draft_token
+        self.compiled = False
+        self.max_feed = 0
+        self.static_len, self.max_context = None, self._model_context
+        self._t_cache = self._d_cache = None
+
+    def _new_caches(self, with_draft: bool):
+        if self.static_len is None:
+            t = DynamicCache(config=self.target.config)
+            d = DynamicCache(config=self.draft.config) if with_draft else None
+            return t, d
+        if self._t_cache is None:
+            if self._shared is not None:
+                self._shared._new_caches(with_draft=False)
+                self._t_cache = self._shared._t_cache
+            else:
+                self._t_cache = _static_cache(self.target, self.static_len)
+        _reset(self._t_cache)
+        if not with_draft:
+            return self._t_cache, None
+        if self._d_cache is None:
+            self._d_cache = _static_cache(self.draft, self.static_len)
+        _reset(self._d_cache)
+        return self._t_cache, self._d_cache
+
+    def warm_up_shapes(self, arms: Sequence[int]) -> list[tuple[str, int]]:
+        """Every (model, feed length) the step functions see with these arms: one-token
+        decode, each verify of k+1 and the shorter ones a budget's end makes (torch.compile
+        makes a length dynamic once it has seen two), and the draft's catch-up of 1-2 tokens."""
+        top = max(arms, default=0)
+        shapes = [("target", n) for n in sorted({1, 2, 3, *(k + 1 for k in arms)}) if n <= top + 1]
+        if self.draft is not None and top > 0:
+            shapes += [("draft", 1), ("draft", 2)]
+        return shapes
 
     @torch.inference_mode()
-    def _forward(self, model, ids: list[int], cache: DynamicCache, keep: int) -> torch.Tensor:
-        inp = torch.tensor([ids], dtype=torch.long, device=self.device)
-        out = model(input_ids=inp, cache=cache, use_cache=True, logits_to_keep=keep)
-        return out.logits[0]
+    def warm_up(
+        self,
+        arms: Sequence[int],
+        on_shape: Callable[[str, int, int, int, float], None] | None = None,
+    ) -> None:
+        """Run each of `warm_up_shapes(arms)` once after a short eager prefill, so a compiled
+        engine compiles everything before it serves. `on_shape(model, length, i, n, seconds)`
+        reports each."""
+        shapes = self.warm_up_shapes(arms)
+        prefill = [self.pad_token_id] * (self.max_feed + 4)  # longer than any step: eager
+        for i, (which, n) in enumerate(shapes, 1):
+            t0 = time.perf_counter()
+            t_cache, d_cache = self._new_caches(with_draft=which == "draft")
+            if which == "target":
+                self._target(prefill, t_cache, keep=1)
+                self._target([self.pad_token_id] * n, t_cache, keep=n)
+            else:
+                self._draft(prefill, d_cache)
+                self._draft([self.pad_token_id] * n, d_cache)
+            if on_shape is not None:
+                on_shape(which, n, i, len(shapes), time.perf_counter() - t0)
+
+    def _feed(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor([ids], dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def _target(self, ids: list[int], cache, keep: int) -> torch.Tensor:
+        step = self._target_step if len(ids) <= self.max_feed else target_logits
+        return step(self.target, self._feed(ids), cache, keep)
+
+    @torch.inference_mode()
+    def _draft(self, ids: list[int], cache) -> int:
+        step = self._draft_step if len(ids) <= self.max_feed else draft_token
+        return int(step(self.draft, self._feed(ids), cache, self._draft_head, self._draft_ids))
 
     def generate(
         self,
@@ -156,17 +337,18 @@ class SpeculativeEngine:
         if not prompt_ids:
             raise ValueError("empty prompt")
         start = time.perf_counter()
+        t_cache, d_cache = self._new_caches(with_draft=k > 0)
         st = _State(
             seq=list(prompt_ids),
-            t_cache=DynamicCache(config=self.target.config),
-            d_cache=DynamicCache(config=self.draft.config) if k > 0 else None,
+            t_cache=t_cache,
+            d_cache=d_cache,
             proposed_pos=[0] * k,
             accepted_pos=[0] * k,
         )
         n_prompt = len(st.seq)
         t0 = time.perf_counter()
         if n_prompt > 1:  # prefill: the target's cache holds seq[:-1]
-            self._forward(self.target, st.seq[:-1], st.t_cache, keep=1)
+            self._target(st.seq[:-1], st.t_cache, keep=1)
         st.verify_s += time.perf_counter() - t0
 
         finish = "length"
@@ -209,15 +391,14 @@ class SpeculativeEngine:
         drafts: list[int] = []
         if k > 0:
             t0 = time.perf_counter()
-            feed = st.seq[st.d_cache.get_seq_length() :]  # the draft catches up first
+            feed = st.seq[int(st.d_cache.get_seq_length()) :]  # the draft catches up first
             for _ in range(k):
-                logits = self._forward(self.draft, feed, st.d_cache, keep=1)
-                feed = [int(logits[-1].argmax())]
+                feed = [self._draft(feed, st.d_cache)]
                 drafts.append(feed[0])
             st.draft_s += time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        logits = self._forward(self.target, [st.seq[-1], *drafts], st.t_cache, keep=k + 1)
+        logits = self._target([st.seq[-1], *drafts], st.t_cache, keep=k + 1)
         preds = logits.argmax(dim=-1).tolist()
         st.verify_s += time.perf_counter() - t0
 

@@ -1,0 +1,192 @@
+"""The static-cache, compiled, pruned-head engine: same outputs, every shape compiled before
+serving, clear failures. Compilation here uses torch.compile's eager backend (dynamo captures
+graphs and guards exactly as with inductor, without generating code); `-m slow` runs inductor."""
+
+import json
+
+import pytest
+import torch
+
+from pipeline import models
+from pipeline.config import load_config
+from pipeline.speculative.engine import SpeculativeEngine, draft_token
+from pipeline.workspace import Workspace
+
+from .test_engine import PROMPTS, ids_for
+
+ARMS = [0, 1, 2, 4]
+
+
+def _reference(tiny_models):
+    tok, target, _ = tiny_models
+    eng = SpeculativeEngine(target, None, [tok.eos_token_id])
+    return {text: eng.generate(ids_for(tok, text), 0, 24) for text in PROMPTS}
+
+
+def _subset(tok, vocab):
+    return [tok.eos_token_id, *range(0, vocab, 2)]  # every other id: many guesses impossible
+
+
+@pytest.fixture(scope="module")
+def cpu_gqa():
+    """The attention setting `models.compile_engine` gives a CPU engine, for this module only."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(models.GQA_ENV, "1")
+        yield
+
+
+@pytest.fixture(scope="module")
+def compiled_engines(tiny_models, cpu_gqa):
+    """A cut draft with a pruned head, static caches, compiled steps; and a self-draft engine
+    sharing its target cache and compiled target step (its own draft steps stay eager here:
+    the target-as-draft path is the same code as the cut's)."""
+    tok, target, draft = tiny_models
+    eos = [tok.eos_token_id]
+    cut = SpeculativeEngine(
+        target, draft, eos, static_len=128, draft_token_ids=_subset(tok, draft.config.vocab_size)
+    )
+    cut.compile_steps(ARMS, backend="eager")
+    cut.warm_up(ARMS)
+    selfd = SpeculativeEngine(target, target, eos, static_len=128, share_target=cut)
+    selfd.compile_steps(ARMS, backend="eager")
+    selfd._draft_step = draft_token  # not compiled: four more graphs of the same function
+    selfd.warm_up(ARMS)
+    return cut, selfd
+
+
+def test_outputs_equal_target_only_for_every_arm_compiled_static_and_pruned(
+    tiny_models, compiled_engines
+):
+    tok = tiny_models[0]
+    ref = _reference(tiny_models)
+    cut, selfd = compiled_engines
+    # After warm-up, no request may compile anything: every shape the loop uses is ready.
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for text in PROMPTS:
+            ids = ids_for(tok, text)
+            for eng in (cut, selfd):
+                for k in ARMS:
+                    r = eng.generate(ids, k, 24)
+                    assert r.token_ids == ref[text].token_ids, (text, k, eng is cut)
+                    assert r.finish_reason == ref[text].finish_reason
+    full = selfd.generate(ids_for(tok, PROMPTS[0]), 4, 24)
+    assert full.proposed and full.accepted == full.proposed  # self-draft: every guess right
+
+
+def test_eager_static_and_pruned_engine_is_lossless_too(tiny_models):
+    tok, target, draft = tiny_models
+    ref = _reference(tiny_models)
+    eng = SpeculativeEngine(
+        target, draft, [tok.eos_token_id], static_len=128, draft_token_ids=_subset(tok, 259)
+    )
+    for text in PROMPTS:
+        for k in ARMS:
+            assert eng.generate(ids_for(tok, text), k, 24).token_ids == ref[text].token_ids
+
+
+def test_pruned_head_only_guesses_inside_its_subset(tiny_models):
+    tok, target, draft = tiny_models
+    subset = _subset(tok, draft.config.vocab_size)
+    eng = SpeculativeEngine(target, draft, [tok.eos_token_id], draft_token_ids=subset)
+    full = SpeculativeEngine(target, draft, [tok.eos_token_id])
+    seen_outside_with_full_head = False
+    allowed = set(subset)
+    for text in PROMPTS:
+        ids = torch.tensor([ids_for(tok, text)])
+        with torch.inference_mode():
+            head, head_ids = eng._draft_head, eng._draft_ids
+            t, d = eng._new_caches(with_draft=True)
+            assert int(draft_token(draft, ids, d, head, head_ids)) in allowed
+            _, d2 = full._new_caches(with_draft=True)
+            seen_outside_with_full_head |= (
+                int(draft_token(draft, ids, d2, None, None)) not in allowed
+            )
+    assert eng.draft_head_ids == sorted(allowed)
+    assert seen_outside_with_full_head  # the subset really constrains this draft
+
+
+def test_static_cache_bounds_the_context(tiny_models):
+    tok, target, draft = tiny_models
+    eng = SpeculativeEngine(target, draft, [tok.eos_token_id], static_len=100)
+    assert eng.max_context == 100
+    ids = ids_for(tok, PROMPTS[0])
+    r = eng.generate(ids, 4, 500)  # never writes past the cache: stops at its end
+    assert len(ids) + r.output_tokens <= 100
+
+
+def test_token_counts_rank_then_fill_by_id():
+    counts = [[3, 10], [7, 10], [9, 2]]  # as written: by count, then id
+    assert models.top_tokens(counts, 3, 20, always=[1]) == [1, 3, 7]
+    assert models.top_tokens(counts, 6, 20, always=[1]) == [1, 3, 7, 9, 0, 2]
+
+
+def _ws_with_counts(tmp_path, counts):
+    ws = Workspace(tmp_path / "art")
+    ws.merged.mkdir(parents=True)
+    (ws.merged / models.TOKEN_COUNTS).write_text(json.dumps({"tokens": 1, "counts": counts}))
+    return ws
+
+
+def test_draft_vocab_errors_name_the_key(tmp_path):
+    from pipeline.errors import ConfigError
+
+    cfg = load_config("configs/ci.yaml", ["engine.draft_vocab=300"])
+    ws = _ws_with_counts(tmp_path, [[5, 1]])
+    with pytest.raises(
+        ConfigError, match=r"engine.draft_vocab=300 is larger than the vocabulary \(259"
+    ):
+        models.draft_token_ids(cfg, ws, str(tmp_path), 259, [0])
+    cfg = load_config("configs/ci.yaml", ["engine.draft_vocab=16"])
+    with pytest.raises(ConfigError, match="engine.draft_vocab=16 needs the token counts"):
+        models.draft_token_ids(cfg, Workspace(tmp_path / "empty"), str(tmp_path), 259, [0])
+    assert len(models.draft_token_ids(cfg, ws, str(tmp_path), 259, [0])) == 16
+
+
+def test_bench_refuses_draft_vocab_without_counts(cli, tmp_path, mbpp_path):
+    art = str(tmp_path / "art")
+    assert cli("split", "--config", "configs/ci.yaml", "--artifacts", art).returncode == 0
+    res = cli(
+        "bench", "--config", "configs/ci.yaml", "--artifacts", art,
+        "--set", "engine.draft_vocab=64", "--draft", "base",
+    )  # fmt: skip
+    assert res.returncode == 2
+    assert "engine.draft_vocab=64 needs the token counts" in res.log
+
+
+def test_compile_auto_falls_back_with_one_warning_and_true_fails(
+    tiny_pair, tmp_path, caplog, monkeypatch
+):
+    from pipeline.errors import PhoenixError
+
+    monkeypatch.setenv(models.GQA_ENV, "1")  # what compile_engine sets stays in this test
+    ws = Workspace(tmp_path / "art")
+    ws.models_cache.mkdir(parents=True)
+    over = [f"models.target={tiny_pair[0]}", f"models.draft={tiny_pair[1]}"]
+    bad = ["engine.backend=no_such_backend"]
+    cfg = load_config("configs/ci.yaml", [*over, "engine.compile=auto", *bad])
+    pair = models.load_pair(cfg, ws, cfg.models.draft)
+    assert pair.engine.static_len == cfg.engine.max_context
+    assert models.compile_engine(cfg, ws, pair.engine, [0, 2]) is False
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "no_such_backend" in warnings[0].getMessage()
+    assert not pair.engine.compiled
+    assert pair.engine.generate(list(range(5, 20)), 2, 8).output_tokens > 0  # eager works
+    cfg = load_config("configs/ci.yaml", [*over, "engine.compile=true", *bad])
+    pair = models.load_pair(cfg, ws, cfg.models.draft)
+    with pytest.raises(PhoenixError, match="engine.compile=true: compiling failed"):
+        models.compile_engine(cfg, ws, pair.engine, [0, 2])
+
+
+@pytest.mark.slow
+def test_inductor_compiled_engine_is_lossless(tiny_models, cpu_gqa):
+    tok, target, draft = tiny_models
+    ref = _reference(tiny_models)
+    eng = SpeculativeEngine(
+        target, draft, [tok.eos_token_id], static_len=128, draft_token_ids=_subset(tok, 259)
+    )
+    eng.compile_steps(ARMS)
+    eng.warm_up(ARMS)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for text in PROMPTS:
+            for k in ARMS:
+                assert eng.generate(ids_for(tok, text), k, 24).token_ids == ref[text].token_ids
