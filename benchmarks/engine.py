@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/engine.py [--config configs/default.yaml] [--artifacts artifacts]
         [--prompts 4] [--tokens 64] [--steps 40] [--parts steps generate server] [--set k=v ...]
-    (needs `make split`; the distilled rows need `make merge`)
+    (splits the workspace if it is not split yet; the distilled rows need `make merge`)
 
 1. steps: the cost of one decoding step (one token fed, static vs growing cache as each engine
    uses it): the target, and the draft with its full and its pruned head (`engine.draft_vocab`),
@@ -37,17 +37,21 @@ from pipeline.config import load_config
 from pipeline.speculative.engine import SpeculativeEngine
 from pipeline.workspace import Workspace, atomic_write_json, atomic_write_text, read_jsonl
 
+PARTS = ("steps", "generate", "server")
 BACKEND = ["inductor"]  # engine.backend of the run's config
 GOALS = {"draft_target_ratio": 0.16, "server_compiled_speedup": 1.4, "self_draft_fixed_4": 0.90}
 
 
-def step_ms(eng: SpeculativeEngine, which: str, prompt: list[int], steps: int) -> float:
-    """Mean milliseconds of one one-token step of the target or the draft, after a prefill;
-    the cache is cut back after each step so every step sees the same length."""
+def step_ms(
+    eng: SpeculativeEngine, which: str, prompt: list[int], steps: int, feed: int = 1
+) -> float:
+    """Median milliseconds of one step of the target (`feed` tokens: 1 = decode, k+1 = a
+    verify) or the draft (one token), after a prefill; the cache is cut back after each step so
+    every step sees the same length."""
     t_cache, d_cache = eng._new_caches(with_draft=which == "draft")
     cache = t_cache if which == "target" else d_cache
     run = (
-        (lambda ids: eng._target(ids, cache, keep=1))
+        (lambda ids: eng._target(ids, cache, keep=len(ids)))
         if which == "target"
         else (lambda ids: eng._draft(ids, cache))
     )
@@ -58,7 +62,7 @@ def step_ms(eng: SpeculativeEngine, which: str, prompt: list[int], steps: int) -
     for i in range(steps + 3):
         sync()
         t0 = time.perf_counter()
-        run([prompt[i % n]])
+        run(prompt[i % n : i % n + 1] * (feed if which == "target" else 1))
         sync()
         times.append(time.perf_counter() - t0)
         models_crop(cache, n)
@@ -120,9 +124,10 @@ def part_steps(cfg, ws, args, prompt) -> dict:
         static = cfg.engine.max_context if compiled else None
         tag = "compiled" if compiled else "eager"
         print(f"steps: {tag}", flush=True)
-        full = make_engine(pair, pair.draft, static, None, compiled, [1])
-        pruned = make_engine(pair, pair.draft, static, subset, compiled, [1])
+        full = make_engine(pair, pair.draft, static, None, compiled, [1, 4])
+        pruned = make_engine(pair, pair.draft, static, subset, compiled, [1, 4])
         t = step_ms(full, "target", prompt, args.steps)
+        v5 = step_ms(full, "target", prompt, args.steps, feed=5)
         df = step_ms(full, "draft", prompt, args.steps)
         dp = step_ms(pruned, "draft", prompt, args.steps)
         rows[tag] = {
@@ -131,6 +136,8 @@ def part_steps(cfg, ws, args, prompt) -> dict:
             "draft_pruned_ms": dp,
             "ratio_full": df / t,
             "ratio_pruned": dp / t,
+            "target_verify5_ms": v5,
+            "verify5_over_step": v5 / t,
         }
         print(f"  {rows[tag]}", flush=True)
     return {"head_tokens": len(subset), "head_source": source, "rows": rows}
@@ -156,9 +163,11 @@ def part_generate(cfg, ws, args, prompts) -> dict:
     rows["target-only eager"] = tok_s(
         make_engine(tgt, None, None, None, False, [0]), prompts, 0, args.tokens
     )
-    selfd = make_engine(tgt, tgt.target, static, None, True, [0, 4])
+    k = args.self_draft
+    selfd = make_engine(tgt, tgt.target if k else None, static, None, True, [0, k])
     rows["target-only compiled"] = tok_s(selfd, prompts, 0, args.tokens)
-    rows["self-draft fixed_4 compiled"] = tok_s(selfd, prompts, 4, args.tokens)
+    if k:
+        rows[f"self-draft fixed_{k} compiled"] = tok_s(selfd, prompts, k, args.tokens)
     if (ws.merged / "config.json").is_file():
         pair = models.load_pair(_full_head(cfg), ws, str(ws.merged), share_target=tgt)
         subset, _ = head_subset(cfg, ws, pair, str(ws.merged))
@@ -210,9 +219,10 @@ def _serve(args, art: Path, overrides: list[str], log: Path):
     return proc, url, time.perf_counter() - t0
 
 
-def _chat(url: str, text: str, tokens: int) -> int:
+def _chat(url: str, model: str, text: str, tokens: int) -> int:
+    msg = [{"role": "user", "content": text}]
     body = json.dumps(
-        {"messages": [{"role": "user", "content": text}], "max_tokens": tokens, "temperature": 0}
+        {"model": model, "messages": msg, "max_tokens": tokens, "temperature": 0}
     ).encode()
     req = urllib.request.Request(
         url + "/v1/chat/completions", body, {"Content-Type": "application/json"}
@@ -235,9 +245,10 @@ def part_server(cfg, ws, args, texts) -> dict:
         log.parent.mkdir(parents=True, exist_ok=True)
         proc, url, ready = _serve(args, ws.root, overrides, log)
         try:
-            _chat(url, texts[0], 8)  # warm-up request
+            model = cfg.models.served_name or cfg.models.target
+            _chat(url, model, texts[0], 8)  # warm-up request
             t0 = time.perf_counter()
-            n = sum(_chat(url, t, args.tokens) for t in texts)
+            n = sum(_chat(url, model, t, args.tokens) for t in texts)
             secs = time.perf_counter() - t0
         finally:
             proc.terminate()
@@ -263,13 +274,15 @@ def markdown(p: dict) -> str:
             f"## One decoding step (median ms; pruned head: {s['head_tokens']} tokens, "
             f"{s['head_source']})",
             "",
-            "| engine | target | draft, full head | draft, pruned head | ratio full | ratio pruned |",
-            "|---|---|---|---|---|---|",
+            "| engine | target | draft, full head | draft, pruned head | ratio full | ratio pruned "
+            "| target verify of 5 | verify 5 / step |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for tag, r in s["rows"].items():
             lines.append(
                 f"| {tag} | {r['target_ms']:.1f} | {r['draft_full_ms']:.1f} | "
-                f"{r['draft_pruned_ms']:.1f} | {r['ratio_full']:.3f} | {r['ratio_pruned']:.3f} |"
+                f"{r['draft_pruned_ms']:.1f} | {r['ratio_full']:.3f} | {r['ratio_pruned']:.3f} "
+                f"| {r['target_verify5_ms']:.1f} | {r['verify5_over_step']:.2f} |"
             )
         lines.append("")
     if "generate" in p:
@@ -309,14 +322,21 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--parts", nargs="+", default=["steps", "generate", "server"])
+    ap.add_argument(
+        "--self-draft", type=int, default=4, help="generate: the self-draft arm (0: skip it)"
+    )
+    ap.add_argument(
+        "--parts", nargs="+", choices=list(PARTS), default=list(PARTS), help="what to measure"
+    )
     ap.add_argument("--set", action="append", default=[], help="config override key=value")
     args = ap.parse_args()
     cfg = load_config(args.config, args.set)
     BACKEND[0] = cfg.engine.backend
     ws = Workspace(args.artifacts)
-    if not ws.test_file.is_file():
-        raise SystemExit(f"{ws.test_file} is missing: run `make split` first")
+    if not ws.test_file.is_file():  # a fresh workspace (gpu.sh): split it here
+        from pipeline import split
+
+        split.run(cfg, ws)
     torch.set_num_threads(os.cpu_count() or 1)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ws.compile_cache / "inductor"))
     rows = read_jsonl(ws.test_file)[: args.prompts]
@@ -327,15 +347,16 @@ def main() -> None:
         "goals": GOALS,
         "args": vars(args),
     }
-    if "steps" in args.parts:
-        out["steps"] = part_steps(cfg, ws, args, prompts[0])
-    if "generate" in args.parts:
-        out["generate"] = part_generate(cfg, ws, args, prompts)
-    if "server" in args.parts:
-        out["server"] = part_server(cfg, ws, args, [r["prompt"] for r in rows])
     perf = ws.root / "perf"
     perf.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(perf / "engine.json", out)
+    parts = {
+        "steps": lambda: part_steps(cfg, ws, args, prompts[0]),
+        "generate": lambda: part_generate(cfg, ws, args, prompts),
+        "server": lambda: part_server(cfg, ws, args, [r["prompt"] for r in rows]),
+    }
+    for name in args.parts:
+        out[name] = parts[name]()
+        atomic_write_json(perf / "engine.json", out)  # each part kept as soon as it is done
     text = markdown(out)
     atomic_write_text(perf / "engine.md", text)
     print(text)

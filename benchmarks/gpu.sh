@@ -4,9 +4,10 @@
 #   bash benchmarks/gpu.sh [--device cuda|cpu] [--out DIR] [--config FILE] [--merged DIR|none]
 #                          [--quick] [--set k=v]...
 #
-# Sets up (make setup), splits MBPP into a private workspace under DIR, runs the engine benchmark
-# (benchmarks/engine.py) on the embedded pair, eager and compiled (CUDA graphs on a GPU; bf16
-# there), then a short bench of the distilled draft if this checkout has one (artifacts/merged).
+# Sets up (make setup), runs the engine benchmark (benchmarks/engine.py) in a private workspace
+# under DIR (it splits MBPP there) on the embedded pair, eager and compiled (CUDA graphs on a GPU;
+# bf16 there), then a short bench of the distilled draft if this checkout has one (--merged,
+# default artifacts/merged).
 # Everything lands in DIR (default: gpu-evidence-<date>): engine.json/.md, bench/, logs, and
 # summary.txt. Each step has a time limit so the whole run fits in 10 minutes; a step that fails
 # or runs out of time is recorded in summary.txt and the run goes on.
@@ -27,7 +28,7 @@ while [ $# -gt 0 ]; do
     --merged) MERGED="$2"; shift 2 ;;
     --quick) QUICK=1; shift ;;
     --set) SETS+=("--set" "$2"); shift 2 ;;
-    -h|--help) sed -n 2,16p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,15p "$0"; exit 0 ;;
     *) echo "gpu.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -68,10 +69,9 @@ fi
 DEV=(--set "models.device=$DEVICE")
 [ "$DEVICE" = cuda ] && DEV+=(--set models.dtype=bfloat16)
 ARGS=(--config "$CONFIG" --artifacts "$ART" "${DEV[@]}" "${SETS[@]}")
-step split 120 "$PY" -m pipeline split "${ARGS[@]}" || { note "split failed: stopping"; exit 1; }
 
 if [ "$QUICK" = 1 ]; then
-  ENGINE=(--prompts 2 --tokens 8 --parts generate)
+  ENGINE=(--prompts 2 --tokens 8 --parts generate --self-draft 0)
   LIMIT=300
 else
   ENGINE=(--prompts 4 --tokens 64 --steps 40 --parts steps generate server)

@@ -419,10 +419,22 @@ def top_tokens(counts: list[list[int]], n: int, vocab: int, always: list[int]) -
     return list(chosen)
 
 
+def counts_file(cfg, ws, draft_ref: str) -> Path:
+    """Where `engine.draft_vocab` reads its token counts: beside the draft (a merged draft),
+    else beside this workspace's merged draft (the base draft shares its tokenizer and answers).
+    A ConfigError naming the key when neither has them."""
+    for p in (Path(draft_ref) / TOKEN_COUNTS, ws.merged / TOKEN_COUNTS):
+        if p.is_file():
+            return p
+    raise ConfigError(
+        f"engine.draft_vocab={cfg.engine.draft_vocab} needs the token counts the train stage "
+        f"records ({TOKEN_COUNTS}); there are none beside the draft {draft_ref} or in "
+        f"{ws.merged}: run train and merge first, or set engine.draft_vocab=0"
+    )
+
+
 def draft_token_ids(cfg, ws, draft_ref: str, vocab: int, eos: list[int]) -> list[int] | None:
-    """The draft head's subset per `engine.draft_vocab` (None: full), from the token counts
-    recorded beside the draft (a merged draft), else beside this workspace's merged draft
-    (the base draft shares its tokenizer and answers)."""
+    """The draft head's subset per `engine.draft_vocab` (None: full), from `counts_file`."""
     import json
 
     n = cfg.engine.draft_vocab
@@ -430,14 +442,8 @@ def draft_token_ids(cfg, ws, draft_ref: str, vocab: int, eos: list[int]) -> list
         return None
     if n > vocab:
         raise ConfigError(f"engine.draft_vocab={n} is larger than the vocabulary ({vocab} tokens)")
-    found = [p for p in (Path(draft_ref) / TOKEN_COUNTS, ws.merged / TOKEN_COUNTS) if p.is_file()]
-    if not found:
-        raise ConfigError(
-            f"engine.draft_vocab={n} needs the token counts the train stage records "
-            f"({TOKEN_COUNTS}); there are none beside the draft {draft_ref} or in {ws.merged}: "
-            "run train and merge first, or set engine.draft_vocab=0"
-        )
-    return top_tokens(json.loads(found[0].read_text())["counts"], n, vocab, eos)
+    counts = json.loads(counts_file(cfg, ws, draft_ref).read_text())["counts"]
+    return top_tokens(counts, n, vocab, eos)
 
 
 def load_pair(cfg, ws, draft: str | None, share_target: Pair | None = None) -> Pair:

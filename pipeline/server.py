@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from . import models
 from .metrics import Metrics
 from .serving import Cancelled, CoreResult, ModeError, ServingCore, build_core
 from .telemetry import NullTelemetry, setup_telemetry
@@ -642,6 +643,8 @@ def phoenix_of(res: CoreResult) -> dict:
 
 def serve(cfg, ws, host: str | None, port: int | None, mode: str | None) -> None:
     mode = mode or cfg.server.mode
+    if mode != "target" and cfg.engine.draft_vocab:
+        models.counts_file(cfg, ws, cfg.models.draft)  # exit 2 now, not a 503 after loading
     telemetry = setup_telemetry(cfg, component="server")
     app = create_app(
         lambda: build_core(cfg, ws, mode=mode),

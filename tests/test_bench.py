@@ -322,7 +322,8 @@ def test_every_measured_mode_is_warmed_up_first(merged_ws, tmp_path, monkeypatch
 
 def test_gpu_script_runs_on_the_cpu(tmp_path, mbpp_path):
     """benchmarks/gpu.sh --device cpu --quick: the GPU evidence script's own path, end to end
-    (setup found, split, the engine benchmark's generation part eager and compiled), on the
+    (setup found, the engine benchmark splitting its workspace and timing generation eager and
+    compiled), on the
     tiny CI pair."""
     out = tmp_path / "evidence"
     r = subprocess.run(
@@ -332,10 +333,11 @@ def test_gpu_script_runs_on_the_cpu(tmp_path, mbpp_path):
     )  # fmt: skip
     summary = (out / "summary.txt").read_text()
     assert r.returncode == 0, summary + r.stderr[-2000:]
-    assert "split: exit 0" in summary and "engine: exit 0" in summary, summary
+    assert "engine: exit 0" in summary, summary
+    assert (out / "artifacts" / "data" / "test.jsonl").is_file()  # it split MBPP itself
     assert "bench: skipped" in summary
     engine = json.loads((out / "engine.json").read_text())
     rows = engine["generate"]
-    assert {"target-only eager", "target-only compiled", "self-draft fixed_4 compiled"} <= set(rows)
+    assert set(rows) == {"target-only eager", "target-only compiled"}
     assert all(r["identical_to_target_only"] and r["tokens_per_second"] > 0 for r in rows.values())
     assert "| target-only compiled |" in (out / "engine.md").read_text()

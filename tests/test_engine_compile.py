@@ -142,7 +142,7 @@ def test_draft_vocab_errors_name_the_key(tmp_path):
     assert len(models.draft_token_ids(cfg, ws, str(tmp_path), 259, [0])) == 16
 
 
-def test_bench_refuses_draft_vocab_without_counts(cli, tmp_path, mbpp_path):
+def test_bench_and_serve_refuse_draft_vocab_without_counts(cli, tmp_path, mbpp_path):
     art = str(tmp_path / "art")
     assert cli("split", "--config", "configs/ci.yaml", "--artifacts", art).returncode == 0
     res = cli(
@@ -150,6 +150,11 @@ def test_bench_refuses_draft_vocab_without_counts(cli, tmp_path, mbpp_path):
         "--set", "engine.draft_vocab=64", "--draft", "base",
     )  # fmt: skip
     assert res.returncode == 2
+    assert "engine.draft_vocab=64 needs the token counts" in res.log
+    res = cli(
+        "serve", "--config", "configs/ci.yaml", "--artifacts", art, "--set", "engine.draft_vocab=64"
+    )
+    assert res.returncode == 2  # at once, not a server that loads and then answers 503
     assert "engine.draft_vocab=64 needs the token counts" in res.log
 
 
