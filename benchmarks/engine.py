@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -35,6 +34,7 @@ from pipeline import bench, models
 from pipeline.bench import environment
 from pipeline.config import load_config
 from pipeline.speculative.engine import SpeculativeEngine
+from pipeline.teacher import serve_command
 from pipeline.workspace import Workspace, atomic_write_json, atomic_write_text, read_jsonl
 
 PARTS = ("steps", "generate", "server")
@@ -186,24 +186,8 @@ def part_generate(cfg, ws, args, prompts) -> dict:
 
 def _serve(args, art: Path, overrides: list[str], log: Path):
     port = 8700 + os.getpid() % 200
-    cmd = [
-        sys.executable,
-        "-m",
-        "pipeline",
-        "serve",
-        "--config",
-        args.config,
-        "--artifacts",
-        str(art),
-        "--port",
-        str(port),
-        "--mode",
-        "target",
-        "--set",
-        "server.max_batch=1",
-    ]
-    for o in args.set + overrides:
-        cmd += ["--set", o]
+    sets = [x for o in ["server.max_batch=1", *args.set, *overrides] for x in ("--set", o)]
+    cmd = serve_command(args.config, art, port, "target", sets)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -280,6 +280,15 @@ def _die_with_parent() -> (
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def serve_command(config, artifacts, port: int, mode: str, extra: list[str] = ()) -> list[str]:
+    """`python -m pipeline serve` on 127.0.0.1:port (the local teacher, the engine benchmark)."""
+    return [
+        *(sys.executable, "-m", "pipeline", "serve", "--config", str(config)),
+        *("--artifacts", str(artifacts), "--host", "127.0.0.1", "--port", str(port)),
+        *("--mode", mode, *extra),
+    ]
+
+
 @contextlib.contextmanager
 def local_teacher(cfg: Config, ws: Workspace) -> Iterator[str]:
     """Start `python -m pipeline serve --mode target` on a free loopback port; yield its URL."""
@@ -291,24 +300,7 @@ def local_teacher(cfg: Config, ws: Workspace) -> Iterator[str]:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != cfg.server.api_key_env}
     log_path = ws.teacher / "local-teacher.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pipeline",
-        "serve",
-        "--config",
-        str(cfg_file),
-        "--artifacts",
-        str(ws.root),
-        "--cache",
-        str(ws.cache),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--mode",
-        "target",
-    ]
+    cmd = serve_command(cfg_file, ws.root, port, "target", ["--cache", str(ws.cache)])
     log.info("starting the local teacher (target only) on 127.0.0.1:%d; log: %s", port, log_path)
     with open(log_path, "ab") as logf:
         proc = subprocess.Popen(
