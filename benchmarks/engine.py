@@ -33,7 +33,7 @@ import torch
 from pipeline import bench, models
 from pipeline.bench import environment
 from pipeline.config import load_config
-from pipeline.speculative.engine import SpeculativeEngine
+from pipeline.speculative.engine import SpeculativeEngine, _crop_to
 from pipeline.teacher import serve_command
 from pipeline.workspace import Workspace, atomic_write_json, atomic_write_text, read_jsonl
 
@@ -65,14 +65,8 @@ def step_ms(
         run(prompt[i % n : i % n + 1] * (feed if which == "target" else 1))
         sync()
         times.append(time.perf_counter() - t0)
-        models_crop(cache, n)
+        _crop_to(cache, n)
     return 1000 * sorted(times[3:])[len(times[3:]) // 2]  # median: robust to a noisy neighbour
-
-
-def models_crop(cache, length: int) -> None:
-    from pipeline.speculative.engine import _crop_to
-
-    _crop_to(cache, length)
 
 
 def make_engine(pair, draft, static_len, subset, compiled, arms):

@@ -535,13 +535,11 @@ def compile_engine(cfg, ws, engine, arms: list[int]) -> bool:
         engine.warm_up(arms, progress)
     except Exception as exc:  # noqa: BLE001 - any compile failure means eager under auto
         engine.uncompile()
-        reason = (
-            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        )
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        reason = f"{type(exc).__name__}: {first_line}"
         if how == "true":
             raise PhoenixError(f"engine.compile=true: compiling failed: {reason}") from exc
         log.warning("engine.compile=auto: running eager, compiling failed: %s", reason)
-        engine.warm_up(arms)
         return False
     log.info("engine: compiled and warm in %.1f s", time.perf_counter() - t0)
     return True
