@@ -38,8 +38,8 @@ def cpu_gqa():
 @pytest.fixture(scope="module")
 def compiled_engines(tiny_models, cpu_gqa):
     """A cut draft with a pruned head, static caches, compiled steps; and a self-draft engine
-    sharing its target cache and compiled target step (its own draft steps stay eager here:
-    the target-as-draft path is the same code as the cut's)."""
+    sharing its target cache and compiled target step (its own draft steps stay eager: the
+    target-as-draft path is the same code as the cut's, and each graph costs seconds)."""
     tok, target, draft = tiny_models
     eos = [tok.eos_token_id]
     cut = SpeculativeEngine(
@@ -49,7 +49,7 @@ def compiled_engines(tiny_models, cpu_gqa):
     cut.warm_up(ARMS)
     selfd = SpeculativeEngine(target, target, eos, static_len=128, share_target=cut)
     selfd.compile_steps(ARMS, backend="eager")
-    selfd._draft_step = draft_token  # not compiled: four more graphs of the same function
+    selfd._draft_step = draft_token
     selfd.warm_up(ARMS)
     return cut, selfd
 
@@ -71,17 +71,6 @@ def test_outputs_equal_target_only_for_every_arm_compiled_static_and_pruned(
                     assert r.finish_reason == ref[text].finish_reason
     full = selfd.generate(ids_for(tok, PROMPTS[0]), 4, 24)
     assert full.proposed and full.accepted == full.proposed  # self-draft: every guess right
-
-
-def test_eager_static_and_pruned_engine_is_lossless_too(tiny_models):
-    tok, target, draft = tiny_models
-    ref = _reference(tiny_models)
-    eng = SpeculativeEngine(
-        target, draft, [tok.eos_token_id], static_len=128, draft_token_ids=_subset(tok, 259)
-    )
-    for text in PROMPTS:
-        for k in ARMS:
-            assert eng.generate(ids_for(tok, text), k, 24).token_ids == ref[text].token_ids
 
 
 def test_pruned_head_only_guesses_inside_its_subset(tiny_models):
