@@ -147,7 +147,7 @@ def draft_token(model, inp: torch.Tensor, cache, head, head_ids) -> torch.Tensor
             .argmax()
         )
     hidden = model.base_model(input_ids=inp, cache=cache, use_cache=True).last_hidden_state
-    return head_ids[F.linear(hidden[0, -1], head).argmax()]
+    return torch.take(head_ids, F.linear(hidden[0, -1], head).argmax())  # no .item(): one graph
 
 
 def _reset(cache: StaticCache) -> None:
