@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from .errors import ConfigError
 
@@ -195,6 +202,41 @@ class TrainConfig(Section):
     warmup_ratio: float = Field(0.03, ge=0, lt=1)
     seed: int = 0
     save_steps: int = Field(50, ge=1, description="Checkpoint every N steps (resume point).")
+    objective: Literal["sft", "kd", "on_policy"] = Field(
+        "sft",
+        description="sft: cross-entropy on the teacher's answers; kd: the target's next-token "
+        "distribution on them; on_policy: the target's distribution on the draft's own "
+        "continuations, mixed with the answers (train.on_policy_ratio).",
+    )
+    divergence: Literal["forward_kl", "reverse_kl", "tv", "jsd"] = Field(
+        "forward_kl",
+        description="kd/on_policy: KL(target||draft), KL(draft||target), total variation, or "
+        "Jensen-Shannon (beta 0.5).",
+    )
+    kd_source: Literal["auto", "target", "teacher"] = Field(
+        "auto",
+        description="Where kd's distribution comes from. target: the target's weights, loaded "
+        "beside the draft; teacher: the teacher endpoint's top_logprobs, which distill stores "
+        "with each answer; auto: teacher when teacher.url is remote and top_logprobs is set, "
+        "else target.",
+    )
+    top_logprobs: int | None = Field(
+        None,
+        ge=1,
+        le=20,
+        description="kd/on_policy: learn only the target's N most likely tokens per position "
+        "(the rest as one bucket), as an OpenAI-compatible teacher returns them; null: the "
+        "full distribution (needs the target's weights).",
+    )
+    on_policy_ratio: float = Field(
+        0.5, ge=0, le=1, description="on_policy: share of batches the draft writes itself."
+    )
+    on_policy_tokens: int = Field(
+        64, ge=1, description="on_policy: tokens the draft writes per prompt."
+    )
+    on_policy_temperature: float = Field(
+        1.0, ge=0, description="on_policy: the draft's sampling temperature (0: greedy)."
+    )
 
 
 class MergeConfig(Section):
@@ -260,6 +302,40 @@ class Config(Section):
         t = self.teacher.enable_thinking
         return {} if t is None else {"enable_thinking": t}
 
+    def kd_source(self) -> str | None:
+        """Where the target's distribution comes from: 'target' (its weights, loaded beside the
+        draft), 'teacher' (the top_logprobs distill stores with each answer), or None (sft
+        learns from the answers' tokens alone)."""
+        t = self.train
+        if t.objective == "sft":
+            return None
+        if t.objective == "on_policy":
+            return "target"
+        if t.kd_source != "auto":
+            return t.kd_source
+        return "teacher" if self.teacher.url != "local" and t.top_logprobs else "target"
+
+    def requested_logprobs(self) -> int | None:
+        """top_logprobs the distill stage asks the teacher for (None: none)."""
+        return self.train.top_logprobs if self.kd_source() == "teacher" else None
+
+    @model_validator(mode="after")
+    def _kd_reachable(self) -> Config:
+        t = self.train
+        if self.kd_source() != "teacher":
+            return self
+        if t.top_logprobs is None:
+            raise ValueError(
+                f"train.objective={t.objective} with train.kd_source=teacher needs "
+                "train.top_logprobs (N <= 20): a teacher endpoint only returns its top-N"
+            )
+        if self.teacher.url == "local":
+            raise ValueError(
+                f"train.objective={t.objective}: the local teacher returns no logprobs; with "
+                "teacher.url=local use train.kd_source=target (the target's weights)"
+            )
+        return self
+
     def resolved(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
@@ -294,6 +370,8 @@ def _format_validation(exc: ValidationError, origin: str) -> str:
         key = ".".join(str(p) for p in err["loc"])
         if err["type"] == "extra_forbidden":
             lines.append(f"  unknown key '{key}'")
+        elif not key:  # a rule across sections: the message names its keys
+            lines.append(f"  {err['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"  '{key}': {err['msg']} (got {err.get('input')!r})")
     return "\n".join(lines)

@@ -39,6 +39,12 @@ log = logging.getLogger(__name__)
 RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
 
 
+class TeacherLogprobsMissing(PhoenixError):
+    """kd asked the teacher for logprobs and it returned none (or ones that do not fit)."""
+
+    exit_code = 2
+
+
 class TeacherRequestError(PhoenixError):
     """The teacher refused a request in a way retrying cannot fix (a 4xx other than 408/429)."""
 
@@ -85,6 +91,8 @@ class Answer:
     model: str
     latency_s: float
     token_ids: list[int] | None = None
+    # With logprobs asked for: per answer token [token, logprob, [[token, logprob], ...top-N]].
+    logprobs: list[list] | None = None
 
 
 class TeacherClient:
@@ -240,6 +248,20 @@ class TeacherClient:
                 raise TypeError("content is not a string")
             usage = data.get("usage") or {}
             ids = (data.get("phoenix") or {}).get("token_ids")
+            content_lp = (choice.get("logprobs") or {}).get("content")
+            logprobs = None
+            if content_lp:
+                logprobs = [
+                    [
+                        str(e["token"]),
+                        float(e["logprob"]),
+                        [
+                            [str(x["token"]), float(x["logprob"])]
+                            for x in e.get("top_logprobs") or []
+                        ],
+                    ]
+                    for e in content_lp
+                ]
             return Answer(
                 completion=content,
                 finish_reason=choice.get("finish_reason") or "stop",
@@ -248,6 +270,7 @@ class TeacherClient:
                 model=data.get("model", model),
                 latency_s=latency,
                 token_ids=ids,
+                logprobs=logprobs,
             )
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise _Malformed(f"{type(exc).__name__}: {exc}") from None
@@ -325,7 +348,8 @@ def local_teacher(cfg: Config, ws: Workspace) -> Iterator[str]:
 
 # --- the stage ---------------------------------------------------------------------------------
 def load_answers(path: Path) -> dict[int, dict]:
-    """Rows already written, by task_id. A torn last line (a crash mid-write) is cut off."""
+    """Rows already written, by task_id (the first answer of each, or the first with logprobs).
+    A torn last line (a crash mid-write) is cut off."""
     if not path.exists():
         return {}
     raw = path.read_bytes()
@@ -342,7 +366,12 @@ def load_answers(path: Path) -> dict[int, dict]:
             continue
         try:
             row = json.loads(line)
-            rows.setdefault(int(row["task_id"]), row)
+            tid = int(row["task_id"])
+            # The first answer stays, unless a later one adds the logprobs kd asked for.
+            if tid not in rows or ("completion_logprobs" in row) > (
+                "completion_logprobs" in rows[tid]
+            ):
+                rows[tid] = row
         except (ValueError, KeyError, TypeError):
             raise InputError(
                 f"{path}:{n}: not a valid answer row; move the file aside to start over"
@@ -374,7 +403,10 @@ def run(cfg: Config, ws: Workspace) -> dict[str, Any]:
     prompts = read_jsonl(ws.train_file)
     if cfg.distill.limit is not None:
         prompts = prompts[: cfg.distill.limit]
+    n_logprobs = cfg.requested_logprobs()
     done = load_answers(ws.answers_file)
+    if n_logprobs:  # answers written without logprobs (an sft run) are asked again
+        done = {k: r for k, r in done.items() if "completion_logprobs" in r}
     wanted = {p["task_id"] for p in prompts}
     todo = [p for p in prompts if p["task_id"] not in done]
     log.info(
@@ -424,6 +456,25 @@ def run(cfg: Config, ws: Workspace) -> dict[str, Any]:
     return summary
 
 
+def checked_logprobs(answer: Answer, task_id: int, url: str, cfg: Config) -> list[list]:
+    """The answer's per-token logprobs, refused when absent or when their tokens do not spell the
+    answer (they must describe exactly the tokens the draft will learn)."""
+    where = f"train.objective={cfg.train.objective} asks the teacher at {url} for top_logprobs"
+    if not answer.logprobs:
+        raise TeacherLogprobsMissing(
+            f"{where}, and it returned none (task_id {task_id}): use a teacher that returns "
+            "logprobs (vLLM, SGLang, TGI, OpenAI), or train.kd_source=target to read the "
+            "target's weights"
+        )
+    tokens = [e[0] for e in answer.logprobs]
+    if not any(t.startswith("token_id:") for t in tokens) and "".join(tokens) != answer.completion:
+        raise TeacherLogprobsMissing(
+            f"{where}; for task_id {task_id} its logprob tokens do not spell its answer "
+            f"({len(tokens)} tokens)"
+        )
+    return answer.logprobs
+
+
 def _answer_all(
     cfg: Config, ws: Workspace, url: str, model: str, todo: list[dict], stats: dict
 ) -> None:
@@ -441,6 +492,9 @@ def _answer_all(
     extra: dict[str, Any] = {}
     if cfg.template_kwargs():
         extra["chat_template_kwargs"] = cfg.template_kwargs()
+    n_logprobs = cfg.requested_logprobs()
+    if n_logprobs:
+        extra.update(logprobs=True, top_logprobs=n_logprobs)
     ws.teacher.mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
     t0 = time.perf_counter()
@@ -462,6 +516,8 @@ def _answer_all(
         }
         if answer.token_ids is not None:
             row["completion_token_ids"] = answer.token_ids
+        if n_logprobs:
+            row["completion_logprobs"] = checked_logprobs(answer, p["task_id"], url, cfg)
         line = json.dumps(row, ensure_ascii=False) + "\n"
         with lock:
             if client.cancel.is_set():  # the stage has ended (failure, Ctrl-C): write no more

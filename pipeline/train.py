@@ -16,18 +16,19 @@ import hashlib
 import json
 import logging
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
-from . import models
+from . import distillation, models
 from .config import Config
 from .errors import InputError
+from .teacher import load_answers
 from .workspace import (
     Workspace,
     atomic_write_json,
     atomic_write_jsonl,
     make_temp_dir,
-    read_jsonl,
     sha256_file,
 )
 
@@ -35,25 +36,69 @@ log = logging.getLogger(__name__)
 
 
 def build_examples(
-    answers: list[dict], tokenizer, template_kwargs: dict, max_length: int
-) -> list[dict]:
+    answers: list[dict],
+    tokenizer,
+    template_kwargs: dict,
+    max_length: int,
+    logprobs_width: int | None = None,
+) -> tuple[list[dict], dict[int, tuple]]:
     """Pre-tokenised prompt+completion rows with a completion mask: the loss sees exactly the
     teacher's tokens (its own ids when the teacher reported them), plus end-of-turn only when
-    the teacher stopped by itself (an answer cut at max_tokens gets none)."""
+    the teacher stopped by itself (an answer cut at max_tokens gets none).
+
+    With `logprobs_width` (kd from the teacher's stored top_logprobs) the answer's tokens are
+    the ones its logprobs name, and the second result holds, per row, the teacher's sparse
+    distribution at each answer token: (ids, logprobs) tensors; the end-of-turn the teacher
+    reports no logprobs for is learnt as a plain label."""
     eos = tokenizer.eos_token_id
-    rows = []
+    id_map = distillation.token_id_map(tokenizer) if logprobs_width else None
+    rows, sparse = [], {}
     for a in answers:
         p_ids = models.user_prompt_ids(tokenizer, a["prompt"], template_kwargs)
         c_ids = a.get("completion_token_ids")
+        tops = None
+        if logprobs_width:
+            c_ids, tops = _logprob_targets(a, tokenizer, id_map)
         if c_ids is None:
             c_ids = tokenizer(a["completion"], add_special_tokens=False)["input_ids"]
-        c_ids = list(c_ids) + ([eos] if a.get("finish_reason") == "stop" else [])
+        stop = [eos] if a.get("finish_reason") == "stop" else []
+        c_ids = list(c_ids) + stop
         ids = (p_ids + c_ids)[:max_length]
         mask = ([0] * len(p_ids) + [1] * len(c_ids))[:max_length]
         if sum(mask) == 0:
             continue  # prompt alone fills max_length: nothing to learn from
-        rows.append({"input_ids": ids, "completion_mask": mask})
-    return rows
+        if tops is not None:
+            tops = (tops + [[[eos, 0.0]] for _ in stop])[: sum(mask)]
+            sparse[len(rows)] = distillation.stack_sparse(tops, logprobs_width)
+        rows.append({"input_ids": ids, "completion_mask": mask, "row": len(rows)})
+    return rows, sparse
+
+
+def _logprob_targets(a: dict, tokenizer, id_map: dict[str, int]) -> tuple[list[int], list[list]]:
+    """The answer's token ids and top-N [[id, logprob], ...] per token from its stored logprobs,
+    checked against the answer: the tokens must spell it."""
+    lps = a.get("completion_logprobs")
+    if not lps:
+        raise InputError(
+            f"answer task_id {a['task_id']} has no stored logprobs, which train.objective=kd "
+            "with train.kd_source=teacher needs: rerun distill (it asks the teacher again)"
+        )
+    ids = [distillation.token_to_id(tok, id_map) for tok, _, _ in lps]
+    if None in ids or tokenizer.decode(ids) != a["completion"]:
+        raise InputError(
+            f"answer task_id {a['task_id']}: its stored logprob tokens do not match the answer's "
+            f"tokens in the draft's tokenizer (token {ids.index(None) if None in ids else '-'} "
+            "unknown, or the decoded text differs): the teacher's tokenizer must be the draft's"
+        )
+    tops = [
+        [
+            [i, lp]
+            for i, lp in ((distillation.token_to_id(t, id_map), lp) for t, lp in top)
+            if i is not None
+        ]
+        for _, _, top in lps
+    ]
+    return ids, tops
 
 
 def train_inputs(cfg: Config, ws: Workspace) -> dict[str, Any]:
@@ -82,7 +127,7 @@ def run(cfg: Config, ws: Workspace, force: bool = False) -> dict[str, Any]:
         raise InputError(
             f"{ws.answers_file} is missing: run the distill stage first (make distill)"
         )
-    answers = read_jsonl(ws.answers_file)
+    answers = list(load_answers(ws.answers_file).values())  # one row per task_id
     if not answers:
         raise InputError(f"{ws.answers_file} has no answers")
     inputs = train_inputs(cfg, ws)
@@ -106,6 +151,53 @@ def run(cfg: Config, ws: Workspace, force: bool = False) -> dict[str, Any]:
     return _train(cfg, ws, answers, inputs)
 
 
+def _pad_id(tok) -> int:
+    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+
+def _unreachable(cfg: Config, exc: Exception) -> InputError:
+    teacher = (
+        "the local teacher" if cfg.teacher.url == "local" else f"the teacher at {cfg.teacher.url}"
+    )
+    return InputError(
+        f"train.objective={cfg.train.objective} needs the target's distribution, but the "
+        f"target's weights ({cfg.models.target}) could not be loaded ({type(exc).__name__}: "
+        f"{exc}); to learn from {teacher} instead, set train.objective=kd, "
+        "train.kd_source=teacher and train.top_logprobs=N (N <= 20), then rerun distill"
+    )
+
+
+def _load_teacher(cfg: Config, target_ref: str, dtype: str, device: str):
+    """The target, frozen, for kd/on_policy."""
+    try:
+        teacher = models.load_model(target_ref, dtype, device)
+    except Exception as exc:
+        raise _unreachable(cfg, exc) from exc
+    teacher.eval().requires_grad_(False)
+    return teacher
+
+
+def _precompute_top(teacher, rows: list[dict], k: int, pad_id: int, device: str) -> dict:
+    """The target's top-k at every answer token of every row (one pass of the target)."""
+    from tqdm import tqdm
+
+    collate = distillation.Collator(pad_id)
+    out = {}
+    for i in tqdm(range(0, len(rows), 8), desc=f"target top-{k}", unit="batch"):
+        chunk = rows[i : i + 8]
+        b = {key: v.to(device) for key, v in collate(chunk).items()}
+        at = distillation.shifted(b["completion_mask"])
+        logits = distillation.teacher_logits(teacher, b["input_ids"], b["attention_mask"], at)
+        ids, logp = distillation.top_k_sparse(logits, k)
+        ids, logp = ids.cpu(), logp.cpu()
+        start = 0
+        for r in chunk:
+            n = int(sum(r["completion_mask"][1:]))
+            out[r["row"]] = (ids[start : start + n], logp[start : start + n])
+            start += n
+    return out
+
+
 def last_complete_checkpoint(ckpt_dir: Path) -> str | None:
     """The newest checkpoint to resume from. The Trainer writes `trainer_state.json` last, so a
     checkpoint without it was cut short (a crash, a full disk): it is removed, never resumed."""
@@ -123,20 +215,37 @@ def last_complete_checkpoint(ckpt_dir: Path) -> str | None:
 def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dict[str, Any]:
     import torch
     from datasets import Dataset
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTConfig
 
     t = cfg.train
+    source = cfg.kd_source()
     with _process_state().main_process_first():  # one materialises the draft, others reuse it
-        _, draft_ref = models.resolve_pair(cfg.models.target, cfg.models.draft, ws.models_cache)
+        try:
+            target_ref, draft_ref = models.resolve_pair(
+                cfg.models.target, cfg.models.draft, ws.models_cache
+            )
+        except Exception as exc:
+            if source != "target":
+                raise
+            raise _unreachable(cfg, exc) from exc
     tok = models.load_tokenizer(draft_ref)
     on_gpu = torch.cuda.is_available() and cfg.models.device in ("auto", "cuda")
-    model = models.load_model(
-        draft_ref, "bfloat16" if on_gpu else "float32", "cuda" if on_gpu else "cpu"
-    )
+    dtype, device = ("bfloat16", "cuda") if on_gpu else ("float32", "cpu")
+    model = models.load_model(draft_ref, dtype, device)
     model.config.use_cache = False
-    rows = build_examples(answers, tok, cfg.template_kwargs(), t.max_length)
+    distillation.add_compact_head(model)  # before PEFT wraps it
+    width = t.top_logprobs if source == "teacher" else None
+    rows, sparse = build_examples(answers, tok, cfg.template_kwargs(), t.max_length, width)
     if not rows:
         raise InputError("no usable training examples: every prompt exceeds train.max_length")
+    teacher, precompute_s = None, 0.0
+    if source == "target":
+        teacher = _load_teacher(cfg, target_ref, dtype, device)
+        if t.top_logprobs and t.objective == "kd":  # the same top-N every epoch: computed once
+            t0 = time.perf_counter()
+            sparse = _precompute_top(teacher, rows, t.top_logprobs, _pad_id(tok), device)
+            precompute_s = time.perf_counter() - t0
+            teacher = None
     dataset = Dataset.from_list(rows)
     peft_config = None
     if t.method == "lora":
@@ -165,7 +274,8 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
         save_strategy="steps",
         save_steps=t.save_steps,
         save_total_limit=2,
-        completion_only_loss=True,
+        dataset_kwargs={"skip_prepare_dataset": True},  # rows come tokenised, with masks
+        remove_unused_columns=False,  # the collator needs prompt_len and row
         bf16=on_gpu,  # TRL defaults bf16=True and gradient checkpointing on: both off on the CPU
         gradient_checkpointing=False,
         use_cpu=not on_gpu,
@@ -173,8 +283,24 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
         dataloader_num_workers=0,
         disable_tqdm=False,
     )
-    trainer = SFTTrainer(
-        model=model, args=args, train_dataset=dataset, processing_class=tok, peft_config=peft_config
+    trainer = distillation.make_trainer_class()(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tok,
+        peft_config=peft_config,
+        data_collator=distillation.Collator(_pad_id(tok)),
+        objective=t.objective,
+        divergence=t.divergence,
+        teacher=teacher,
+        sparse=sparse or None,
+        top_k=t.top_logprobs,
+        on_policy={
+            "ratio": t.on_policy_ratio,
+            "max_new_tokens": t.on_policy_tokens,
+            "temperature": t.on_policy_temperature,
+            "eos": models.eos_ids(tok, model),
+        },
     )
     resume = last_complete_checkpoint(ckpt_dir)
     if resume:
@@ -182,8 +308,10 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in trainer.model.parameters())
     log.info(
-        "train: %s, %d examples, %d trainable of %d parameters",
+        "train: %s, objective %s%s, %d examples, %d trainable of %d parameters",
         t.method,
+        t.objective,
+        f" ({t.divergence}, target distribution from the {source})" if source else "",
         len(rows),
         trainable,
         total,
@@ -205,8 +333,12 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
+    matches = [h["teacher_match"] for h in history if "teacher_match" in h]
     metrics = {
         "method": t.method,
+        "objective": t.objective,
+        "kd_source": source,
+        "teacher_match_last": matches[-1] if matches else None,
         "base_draft": draft_ref,
         "examples": len(rows),
         "completion_tokens": counted["tokens"],
@@ -217,6 +349,7 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
         "first_loss": history[0]["loss"] if history else None,
         "last_loss": history[-1]["loss"] if history else None,
         "runtime_s": result.metrics.get("train_runtime"),
+        "target_top_s": precompute_s,  # the target's top-N, computed before the first step
         "trainable_parameters": trainable,
         "total_parameters": total,
         "device": "cuda" if on_gpu else "cpu",

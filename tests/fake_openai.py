@@ -13,6 +13,19 @@ def canned_answer(prompt: str) -> str:
     return "def solution():\n    return " + hashlib.sha256(prompt.encode()).hexdigest()[:8]
 
 
+def char_logprobs(text: str, top: int) -> list[dict]:
+    """OpenAI's logprobs.content for `text` as one token per character: each is the likeliest
+    (-0.1), then other characters at -3, -4, ..."""
+    out = []
+    for ch in text:
+        others = [c for c in "xyz0123456789" if c != ch][: max(0, top - 1)]
+        entries = [{"token": ch, "logprob": -0.1}] + [
+            {"token": c, "logprob": -3.0 - i} for i, c in enumerate(others)
+        ]
+        out.append({"token": ch, "logprob": -0.1, "top_logprobs": entries[:top]})
+    return out
+
+
 class FakeOpenAI:
     """Behaviour knobs (all counters are of requests seen so far):
     health_503: first N /health calls answer 503; no_health: /health is 404 (hosted APIs)
@@ -20,6 +33,9 @@ class FakeOpenAI:
     chat_429: first N chat calls answer 429 with Retry-After; drop: first N chat calls close the
     connection without answering; malformed: first N chat calls return a non-JSON 200;
     bad_request_for: prompts (substring) that always get a 400; delay_s: per chat answer.
+    logprobs (answered only when a request asks for them): "chars": one token per character of
+    the answer, with its top_logprobs (the character first, then "x", "y", ... as needed);
+    "none": no logprobs at all; "wrong": tokens that do not spell the answer.
     """
 
     def __init__(self, model="fake", **knobs):
@@ -35,6 +51,7 @@ class FakeOpenAI:
             "malformed": 0,
             "bad_request_for": None,
             "delay_s": 0.0,
+            "logprobs": "chars",
             **knobs,
         }
         self.calls = {"health": 0, "models": 0, "chat": 0}
@@ -128,19 +145,23 @@ class FakeOpenAI:
                     fake.chat_prompts.append(prompt)
                 text = canned_answer(prompt)
                 finish = "length" if "cut me" in prompt else "stop"
+                choice = {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": finish,
+                }
+                if body.get("logprobs") and k["logprobs"] != "none":
+                    spelt = text if k["logprobs"] == "chars" else text[::-1]
+                    choice["logprobs"] = {
+                        "content": char_logprobs(spelt, int(body.get("top_logprobs") or 0))
+                    }
                 self._send(
                     200,
                     {
                         "id": "x",
                         "object": "chat.completion",
                         "model": fake.model,
-                        "choices": [
-                            {
-                                "index": 0,
-                                "message": {"role": "assistant", "content": text},
-                                "finish_reason": finish,
-                            }
-                        ],
+                        "choices": [choice],
                         "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12},
                     },
                 )

@@ -45,7 +45,8 @@ def test_examples_mask_the_prompt_and_keep_teacher_tokens():
         },
         {"prompt": "p2", "completion": "abc", "finish_reason": "length"},
     ]
-    rows = build_examples(answers, tok, {}, 512)
+    rows, sparse = build_examples(answers, tok, {}, 512)
+    assert sparse == {}  # no stored logprobs asked for
     first, second = rows
     n = sum(first["completion_mask"])
     assert first["input_ids"][-n:] == [

@@ -1,0 +1,321 @@
+"""What the draft learns from the target: the train stage's objectives and their losses.
+
+    sft        cross-entropy on the teacher's answer tokens
+    kd         the target's next-token distribution at every answer position: dense (the local
+               target's full distribution) or sparse (its top-N, as an OpenAI-compatible teacher
+               returns with `top_logprobs`; or the local target cut to its top-N)
+    on_policy  the draft writes continuations of the training prompts and the local target's
+               distribution on them is what it learns (GKD, DistillSpec); a share of batches
+               (`train.on_policy_ratio`) keeps the teacher's answers
+
+The divergence between the target's distribution p and the draft's q is a setting:
+forward_kl (KL(p||q)), reverse_kl (KL(q||p)), tv (total variation, 1 - the chance that sampling
+from both agrees) or jsd (Jensen-Shannon, beta 0.5).
+
+Only the positions that are scored pass through the LM head: a step costs the backbone plus the
+head on the answer tokens, not on the prompt and padding (TRL's fused head, which scores every
+position in tiles and recomputes them in backward, costs about twice that on a CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+OBJECTIVES = ("sft", "kd", "on_policy")
+DIVERGENCES = ("forward_kl", "reverse_kl", "tv", "jsd")
+
+
+# --- losses (pure tensor functions) ------------------------------------------------------------
+def _p_times_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum exp(a) * (a - b) over the last axis, with 0 * anything = 0 (a = -inf buckets)."""
+    return torch.where(a > -math.inf, a.exp() * (a - b), a.new_zeros(())).sum(-1)
+
+
+def divergence(t_logp: torch.Tensor, s_logp: torch.Tensor, kind: str, beta: float = 0.5):
+    """Per-row divergence between the teacher's (t) and the student's (s) distributions, both as
+    log-probabilities over the same buckets (rows x buckets; -inf marks an unused bucket)."""
+    if kind == "forward_kl":
+        return _p_times_diff(t_logp, s_logp)
+    if kind == "reverse_kl":
+        return _p_times_diff(s_logp, t_logp)
+    if kind == "tv":
+        return 0.5 * (t_logp.exp() - s_logp.exp()).abs().sum(-1)
+    if kind == "jsd":
+        m = torch.logaddexp(t_logp + math.log(beta), s_logp + math.log(1 - beta))
+        return beta * _p_times_diff(t_logp, m) + (1 - beta) * _p_times_diff(s_logp, m)
+    raise ValueError(f"unknown divergence {kind!r}; expected one of {DIVERGENCES}")
+
+
+def _with_rest(top_logp: torch.Tensor) -> torch.Tensor:
+    """Append the bucket 'every other token' (1 - the listed mass) to top-N log-probabilities."""
+    rest = (1 - top_logp.exp().sum(-1, keepdim=True)).clamp(min=1e-6).log()
+    return torch.cat([top_logp, rest], -1)
+
+
+def sparse_divergence(
+    s_logits: torch.Tensor, ids: torch.Tensor, t_logp: torch.Tensor, kind: str
+) -> torch.Tensor:
+    """Divergence against a sparse teacher: its top-N `ids` with log-probabilities `t_logp`
+    (-inf: no entry), the rest of its mass one bucket; the student's full distribution is folded
+    onto the same N + 1 buckets."""
+    s_all = F.log_softmax(s_logits.float(), -1)
+    valid = t_logp > -math.inf
+    s_top = torch.where(valid, s_all.gather(-1, ids), torch.full_like(t_logp, -math.inf))
+    return divergence(_with_rest(t_logp), _with_rest(s_top), kind)
+
+
+def dense_divergence(s_logits: torch.Tensor, t_logits: torch.Tensor, kind: str) -> torch.Tensor:
+    return divergence(
+        F.log_softmax(t_logits.float(), -1), F.log_softmax(s_logits.float(), -1), kind
+    )
+
+
+def top_k_sparse(t_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's top-k ids and log-probabilities (what `top_logprobs: k` returns)."""
+    logp, ids = F.log_softmax(t_logits.float(), -1).topk(k, -1)
+    return ids, logp
+
+
+# --- compact LM head ---------------------------------------------------------------------------
+def add_compact_head(model) -> None:
+    """`model(..., logits_at=mask)` returns the logits of the positions where `mask` (batch x seq,
+    bool) is true, as one (n, vocab) tensor, without the head on any other position. Without
+    `logits_at` the forward is the original one (generation is unchanged). Patch before PEFT
+    wraps the model: PEFT's forward passes the keyword through; DDP sees an ordinary call."""
+    original = model.forward
+
+    def forward(self, *args, logits_at=None, **kwargs):
+        if logits_at is None:
+            return original(*args, **kwargs)
+        kwargs["use_cache"] = False
+        hidden = self.get_decoder()(*args, **kwargs).last_hidden_state
+        return self.get_output_embeddings()(hidden[logits_at])
+
+    model.forward = types.MethodType(forward, model)
+
+
+def shifted(mask: torch.Tensor) -> torch.Tensor:
+    """Token mask -> the positions that predict those tokens (one to the left)."""
+    out = torch.zeros_like(mask, dtype=torch.bool)
+    out[:, :-1] = mask[:, 1:].bool()
+    return out
+
+
+@torch.no_grad()
+def teacher_logits(teacher, input_ids, attention_mask, at, position_ids=None) -> torch.Tensor:
+    hidden = teacher.get_decoder()(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+    ).last_hidden_state
+    return teacher.get_output_embeddings()(hidden[at])
+
+
+# --- batches ---------------------------------------------------------------------------------
+class Collator:
+    """Right-padded batches of pre-tokenised rows: input_ids, attention_mask, completion_mask
+    (the teacher's answer tokens), prompt_len and row (the index into the sparse targets)."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        n = max(len(r["input_ids"]) for r in rows)
+        ids = torch.full((len(rows), n), self.pad_id, dtype=torch.long)
+        att = torch.zeros((len(rows), n), dtype=torch.long)
+        comp = torch.zeros((len(rows), n), dtype=torch.long)
+        for i, r in enumerate(rows):
+            k = len(r["input_ids"])
+            ids[i, :k] = torch.tensor(r["input_ids"])
+            att[i, :k] = 1
+            comp[i, :k] = torch.tensor(r["completion_mask"])
+        return {
+            "input_ids": ids,
+            "attention_mask": att,
+            "completion_mask": comp,
+            "prompt_len": torch.tensor([r["completion_mask"].index(1) for r in rows]),
+            "row": torch.tensor([r["row"] for r in rows]),
+        }
+
+
+def stack_sparse(rows: list[list[list]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position [[id, logprob], ...] lists -> (ids, logp) tensors of `width` columns, padded
+    with id 0 at -inf (an unused bucket)."""
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    logp = torch.full((len(rows), width), -math.inf)
+    for i, entries in enumerate(rows):
+        for j, (tid, lp) in enumerate(entries[:width]):
+            ids[i, j] = int(tid)
+            logp[i, j] = float(lp)
+    return ids, logp
+
+
+# --- the trainer -------------------------------------------------------------------------------
+def make_trainer_class():
+    """The SFTTrainer subclass (built lazily: importing TRL costs seconds)."""
+    from trl import SFTTrainer
+
+    class DistillTrainer(SFTTrainer):
+        """TRL's SFTTrainer with Phoenix's objectives in `compute_loss`.
+
+        `teacher`: the target model (dense kd, on_policy, or sparse kd cut from it); `sparse`:
+        per row, the (ids, logp) tensors for each answer token, when the teacher's distribution
+        came with the answers (or was precomputed)."""
+
+        def __init__(
+            self,
+            *args,
+            objective: str = "sft",
+            divergence: str = "forward_kl",
+            teacher=None,
+            sparse: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+            top_k: int | None = None,
+            on_policy: dict[str, Any] | None = None,
+            **kwargs,
+        ):
+            super().__init__(*args, **kwargs)
+            self.model_accepts_loss_kwargs = False  # the loss is a per-batch mean
+            self.objective = objective
+            self.divergence_kind = divergence
+            self.teacher = teacher
+            self.sparse = sparse
+            self.top_k = top_k
+            self.on_policy = on_policy or {}
+            self._rng = random.Random(self.args.seed)
+            self.pad_id = self.data_collator.pad_id
+
+        # The answers' batch: teacher-forced on the teacher's tokens.
+        def _answers_loss(self, model, b) -> tuple[torch.Tensor, torch.Tensor]:
+            at = shifted(b["completion_mask"])
+            labels = b["input_ids"][:, 1:][b["completion_mask"][:, 1:].bool()]
+            logits = model(
+                input_ids=b["input_ids"], attention_mask=b["attention_mask"], logits_at=at
+            )
+            if self.objective == "sft":
+                loss = F.cross_entropy(logits.float(), labels)
+            elif self.sparse is not None:
+                ids, logp = self._sparse_targets(b["row"], logits.device)
+                loss = sparse_divergence(logits, ids, logp, self.divergence_kind).mean()
+            else:
+                t = teacher_logits(self.teacher, b["input_ids"], b["attention_mask"], at)
+                loss = self._teacher_loss(logits, t)
+            return loss, (logits.argmax(-1) == labels).float().mean()
+
+        def _teacher_loss(self, s_logits, t_logits) -> torch.Tensor:
+            if self.top_k:
+                ids, logp = top_k_sparse(t_logits, self.top_k)
+                return sparse_divergence(s_logits, ids, logp, self.divergence_kind).mean()
+            return dense_divergence(s_logits, t_logits, self.divergence_kind).mean()
+
+        def _sparse_targets(self, rows: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+            parts = [self.sparse[int(r)] for r in rows]
+            return (
+                torch.cat([p[0] for p in parts]).to(device),
+                torch.cat([p[1] for p in parts]).to(device),
+            )
+
+        # On-policy: the draft continues the prompts; the target scores its tokens.
+        def _on_policy_loss(self, model, b) -> tuple[torch.Tensor, torch.Tensor]:
+            ids, att = _left_padded_prompts(b, self.pad_id)
+            gen_model = self.accelerator.unwrap_model(model)
+            was_training = gen_model.training
+            gen_model.eval()
+            sample = self.on_policy["temperature"] > 0
+            with torch.no_grad():
+                out = gen_model.generate(
+                    input_ids=ids,
+                    attention_mask=att,
+                    max_new_tokens=self.on_policy["max_new_tokens"],
+                    do_sample=sample,
+                    temperature=self.on_policy["temperature"] if sample else None,
+                    top_p=None,
+                    top_k=None,
+                    pad_token_id=self.pad_id,
+                    eos_token_id=self.on_policy["eos"],
+                    use_cache=True,
+                )
+            gen_model.train(was_training)
+            new = out[:, ids.shape[1] :]
+            done = torch.zeros(new.shape[0], dtype=torch.bool, device=new.device)
+            keep = torch.zeros_like(new, dtype=torch.bool)
+            for j in range(new.shape[1]):  # each row's tokens up to and including its end-of-turn
+                keep[:, j] = ~done
+                done |= torch.isin(
+                    new[:, j], torch.tensor(self.on_policy["eos"], device=new.device)
+                )
+            full_att = torch.cat([att, keep.long()], 1)
+            mask = torch.cat([torch.zeros_like(att), keep.long()], 1)
+            pos = (full_att.cumsum(-1) - 1).clamp(min=0)
+            at = shifted(mask)
+            logits = model(input_ids=out, attention_mask=full_att, position_ids=pos, logits_at=at)
+            t = teacher_logits(self.teacher, out, full_att, at, position_ids=pos)
+            match = (logits.argmax(-1) == t.argmax(-1)).float().mean()
+            return self._teacher_loss(logits, t), match
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            mode = "train" if model.training else "eval"
+            use_policy = (
+                self.objective == "on_policy"
+                and model.training
+                and self._rng.random() < self.on_policy["ratio"]
+            )
+            if use_policy:
+                loss, match = self._on_policy_loss(model, inputs)
+                self._metrics[mode]["on_policy_batches"].append(1.0)
+            else:
+                loss, match = self._answers_loss(model, inputs)
+                if self.objective == "on_policy":
+                    self._metrics[mode]["on_policy_batches"].append(0.0)
+            # Greedy agreement with the teacher on the scored tokens: the acceptance proxy.
+            self._metrics[mode]["teacher_match"].append(match.item())
+            return (loss, None) if return_outputs else loss
+
+    return DistillTrainer
+
+
+def _left_padded_prompts(b: dict[str, torch.Tensor], pad_id: int):
+    lens = b["prompt_len"].tolist()
+    n = max(lens)
+    ids = torch.full((len(lens), n), pad_id, dtype=torch.long, device=b["input_ids"].device)
+    att = torch.zeros_like(ids)
+    for i, k in enumerate(lens):
+        ids[i, n - k :] = b["input_ids"][i, :k]
+        att[i, n - k :] = 1
+    return ids, att
+
+
+# --- teacher logprobs as token ids ------------------------------------------------------------
+def token_id_map(tokenizer) -> dict[str, int]:
+    """Token text (as OpenAI-compatible servers print a token) -> id. A text that several ids
+    decode to maps to none of them; `token_id:N` (vLLM's return_tokens_as_token_ids) is parsed
+    separately."""
+    seen: dict[str, int] = {}
+    clash: set[str] = set()
+    for i in range(len(tokenizer)):
+        text = tokenizer.decode([i])
+        if text in seen:
+            clash.add(text)
+        else:
+            seen[text] = i
+    for text in clash:
+        del seen[text]
+    return seen
+
+
+def token_to_id(token: str, ids: dict[str, int]) -> int | None:
+    if token.startswith("token_id:"):
+        try:
+            return int(token[len("token_id:") :])
+        except ValueError:
+            return None
+    return ids.get(token)
