@@ -147,7 +147,8 @@ def draft_token(model, inp: torch.Tensor, cache, head, head_ids) -> torch.Tensor
             .argmax()
         )
     hidden = model.base_model(input_ids=inp, cache=cache, use_cache=True).last_hidden_state
-    return torch.take(head_ids, F.linear(hidden[0, -1], head).argmax())  # no .item(): one graph
+    # No .item() (a graph break), and not torch.take (inductor cannot lower it on a CPU).
+    return head_ids.index_select(0, F.linear(hidden[0, -1], head).argmax().view(1))[0]
 
 
 def _reset(cache: StaticCache) -> None:
