@@ -233,6 +233,8 @@ def test_stored_logprobs_that_do_not_match_name_the_row(split_ws, tmp_path, cli)
 
 
 def test_kd_without_the_target_weights_names_the_objective_and_teacher(split_ws, tmp_path, cli):
+    empty = tmp_path / "target-weights-not-here"  # e.g. a mount that is missing its files
+    empty.mkdir()
     with FakeOpenAI() as fake:
         cfg = _remote_config(tmp_path, fake.url, kd_source="target")
         r = cli("distill", "--config", cfg, "--artifacts", split_ws, "--set", "distill.limit=4")
@@ -240,7 +242,7 @@ def test_kd_without_the_target_weights_names_the_objective_and_teacher(split_ws,
         r = cli(
             "train",
             *("--config", cfg, "--artifacts", split_ws),
-            *("--set", "models.target=phoenix-tests/no-such-model"),
+            *("--set", f"models.target={empty}"),
             *("--set", "models.draft=tiny:layers=1,hidden=64,seed=0"),
         )
     assert r.returncode == 2, r.log
