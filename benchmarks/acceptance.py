@@ -12,8 +12,8 @@ wall-clock budget, then measured in the engine on held-out prompts. A benchmark,
 An arm is `<objective>[-top20][-<divergence>][@<cut layers>]`: sft, kd (dense: the target's full
 distribution), kd-top20 (its top 20, as a remote teacher returns them), on-policy, kd-tv, ...;
 without @N the config's draft. The README's table came from `--arms sft kd kd-top20 on-policy
-sft@6` when the config's draft was cut:4 (then `--arms kd-top20@6` added a row: rows of earlier
-runs stay in acceptance.json unless measured again).
+sft@6` when the config's draft was cut:4. Rows of earlier runs stay in acceptance.json unless
+measured again, so a later `--arms X` adds its row to the table.
 Each arm trains in its own workspace (<artifacts>/perf/acceptance/<arm>/) on the first --answers
 teacher answers of <artifacts>/teacher/answers.jsonl, full fine-tuning at the config's learning
 rate, with max_steps set so that it trains for --budget-s seconds (the seconds per step come from

@@ -25,7 +25,7 @@ import torch
 from pipeline import distillation, models
 from pipeline.bench import environment
 from pipeline.config import load_config
-from pipeline.train import build_examples
+from pipeline.train import build_examples, pad_id
 from pipeline.workspace import Workspace, atomic_write_json, read_jsonl
 
 
@@ -69,7 +69,7 @@ def step_times_trainer(cfg, ws, draft_ref, tok, rows, steps: int, phoenix: bool)
             args=args,
             train_dataset=Dataset.from_list(rows),
             processing_class=tok,
-            data_collator=distillation.Collator(tok.pad_token_id or tok.eos_token_id),
+            data_collator=distillation.Collator(pad_id(tok)),
         )
     else:
         plain = [{k: r[k] for k in ("input_ids", "completion_mask")} for r in rows]
@@ -87,7 +87,7 @@ def step_times_plain(cfg, draft_ref, tok, rows, steps: int) -> list[float]:
     model.config.use_cache = False
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.learning_rate)
-    collate = distillation.Collator(tok.pad_token_id or tok.eos_token_id)
+    collate = distillation.Collator(pad_id(tok))
     g = torch.Generator().manual_seed(0)
     order = torch.randperm(len(rows), generator=g).tolist()
     times = []

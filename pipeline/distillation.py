@@ -19,7 +19,6 @@ position in tiles and recomputes them in backward, costs about twice that on a C
 
 from __future__ import annotations
 
-import logging
 import math
 import random
 import types
@@ -28,9 +27,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
-
-OBJECTIVES = ("sft", "kd", "on_policy")
 DIVERGENCES = ("forward_kl", "reverse_kl", "tv", "jsd")
 
 

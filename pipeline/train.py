@@ -151,7 +151,8 @@ def run(cfg: Config, ws: Workspace, force: bool = False) -> dict[str, Any]:
     return _train(cfg, ws, answers, inputs)
 
 
-def _pad_id(tok) -> int:
+def pad_id(tok) -> int:
+    """The id batches are padded with (end-of-text where a tokenizer has no pad token)."""
     return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
 
@@ -243,7 +244,7 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
         teacher = _load_teacher(cfg, target_ref, dtype, device)
         if t.top_logprobs and t.objective == "kd":  # the same top-N every epoch: computed once
             t0 = time.perf_counter()
-            sparse = _precompute_top(teacher, rows, t.top_logprobs, _pad_id(tok), device)
+            sparse = _precompute_top(teacher, rows, t.top_logprobs, pad_id(tok), device)
             precompute_s = time.perf_counter() - t0
             teacher = None
     dataset = Dataset.from_list(rows)
@@ -289,7 +290,7 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
         train_dataset=dataset,
         processing_class=tok,
         peft_config=peft_config,
-        data_collator=distillation.Collator(_pad_id(tok)),
+        data_collator=distillation.Collator(pad_id(tok)),
         objective=t.objective,
         divergence=t.divergence,
         teacher=teacher,
