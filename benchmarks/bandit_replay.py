@@ -1,83 +1,148 @@
-"""Replay a bench run through bandit policies, over many bandit seeds, without the models.
+"""Replay a bench run through the bandit policies, over many bandit seeds, without the models.
 
     .venv/bin/python benchmarks/bandit_replay.py artifacts/perf/bench/results.json [--seeds 200]
-        [--draft distilled]
+        [--draft distilled] [--config configs/default.yaml] [--out replay.json]
 
-A bench run with every arm as a fixed mode (as `make perf` runs it) measured each arm's latency
-and output tokens on every prompt. Here a fresh bandit walks the prompts in the bench's order;
-when it picks arm a for prompt i, it gets the measured (latency, tokens) of arm a on prompt i as
-its reward (tokens/s). The figure is the bench's: post-warm-up tokens/s against the best single
-arm on the same prompts. One live bench run is one seed; this shows the spread over seeds.
+A bench run with every arm as a fixed mode (as `make perf` runs it) measured each arm's latency,
+output tokens and acceptance on every prompt. Here a fresh bandit of each policy (seed:
+uniform exploration; plausible; contextual) walks the prompts in the bench's order, with the
+config's bandit settings and drift guard; when it picks arm a for prompt i it gets what arm a
+measured on prompt i (tokens/s as the reward, the prompt's length and the arm's acceptance as
+context). The figure is the bench's: post-warm-up tokens/s against the best single arm on the
+same prompts. One live bench run is one seed; this shows the mean and the worst seed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
+import sys
+from pathlib import Path
 
-from pipeline.speculative.bandit import EpsilonGreedy
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.config import load_config  # noqa: E402
+from pipeline.serving import make_bandit, make_guard  # noqa: E402
+from pipeline.speculative.arms import canonical  # noqa: E402
+from pipeline.speculative.bandit import Context  # noqa: E402
+
+POLICIES = ("seed", "plausible", "contextual")
+WEIGHT = lambda r: r["latency_s"]  # noqa: E731 - as the server weighs rewards
 
 
-def load_table(results: dict, draft: str) -> dict[int, dict[int, tuple[float, int]]]:
-    """arm -> prompt index -> (latency_s, output_tokens), from the target and fixed_K runs."""
-    table: dict[int, dict[int, tuple[float, int]]] = {}
+def load_table(results: dict, draft: str) -> dict[str, dict[int, dict]]:
+    """arm -> prompt index -> record, from the single-arm runs: target and ngram_K (no draft)
+    and this draft's fixed_K."""
+    table: dict[str, dict[int, dict]] = {}
     for r in results["requests"]:
-        if r["mode"] == "target" or (r["draft"] == draft and r["mode"].startswith("fixed_")):
-            table.setdefault(r["arm"], {})[r["prompt_index"]] = (r["latency_s"], r["output_tokens"])
+        if r["draft"] in (draft, "none") and not r["mode"].startswith("bandit"):
+            table.setdefault(str(r["arm"]), {})[r["prompt_index"]] = r
     return table
 
 
-def replay(table: dict, arms: list[int], explore: str, seed: int, **kw) -> tuple[float, float]:
-    """(ratio to the best single arm, share of post-warm-up choices of that arm) for one seed."""
-    bandit = EpsilonGreedy(arms, random.Random(seed), explore=explore, **kw)
-    post = []
+def replay(table: dict, arms: list[str], cfg, policy: str, seed: int) -> dict:
+    """One seed of one policy: ratio to the best single arm on the post-warm-up prompts, the
+    share of post-warm-up choices of that arm, and the drift guard's fallbacks."""
+    b = cfg.bandit.model_copy(update={"policy": policy, "seed": seed, "arms": arms})
+    c = cfg.model_copy(update={"bandit": b})
+    bandit, guard = make_bandit(c), make_guard(c)
+    post, fallbacks = [], 0
     for i in sorted(table[arms[0]]):
-        d = bandit.choose()
-        lat, tok = table[d.arm][i]
-        bandit.update(d.arm, tok / lat)
-        if not d.warmup:
-            post.append((i, d.arm))
+        ctx = Context(table[arms[0]][i].get("prompt_tokens", 0), 0)
+        if guard is not None and guard.hold():
+            arm, exploited, warm = "0", False, False
+        else:
+            d = bandit.choose(ctx)
+            arm, exploited, warm = d.arm, not (d.explored or d.warmup), d.warmup
+        r = table[arm][i]
+        tps = r["output_tokens"] / r["latency_s"]
+        acc = r["accepted"] / r["proposed"] if r["proposed"] else None
+        bandit.update(arm, tps, ctx, acc, WEIGHT(r))
+        if guard is not None:
+            ev = guard.observe(arm == "0", exploited, tps)
+            fallbacks += bool(ev and ev["event"] == "fallback")
+        if not warm:
+            post.append((i, arm))
     idx = [i for i, _ in post]
 
-    def tps(pairs):
-        return sum(table[a][i][1] for i, a in pairs) / sum(table[a][i][0] for i, a in pairs)
+    def tps_of(pairs):
+        return sum(table[a][i]["output_tokens"] for i, a in pairs) / sum(
+            table[a][i]["latency_s"] for i, a in pairs
+        )
 
-    single = {a: tps([(i, a) for i in idx]) for a in arms}
+    single = {a: tps_of([(i, a) for i in idx]) for a in arms}
     best = max(single, key=single.get)
-    return tps(post) / single[best], sum(a == best for _, a in post) / len(post)
+    return {
+        "ratio": tps_of(post) / single[best],
+        "best_share": sum(a == best for _, a in post) / len(post),
+        "fallbacks": fallbacks,
+        "best_arm": best,
+        "to_target": tps_of(post) / single["0"] if "0" in single else None,
+    }
+
+
+def summarise(runs: list[dict]) -> dict:
+    ratios = sorted(r["ratio"] for r in runs)
+    worst = min(range(len(runs)), key=lambda s: runs[s]["ratio"])
+    return {
+        "ratio_mean": statistics.mean(ratios),
+        "ratio_min": ratios[0],
+        "worst_seed": worst,
+        "ratio_p10": ratios[len(ratios) // 10],
+        "best_arm_share_mean": statistics.mean(r["best_share"] for r in runs),
+        "to_target_mean": statistics.mean(r["to_target"] for r in runs)
+        if all(r["to_target"] is not None for r in runs)
+        else None,
+        "fallbacks_mean": statistics.mean(r["fallbacks"] for r in runs),
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("results")
     ap.add_argument("--draft", default="distilled")
+    ap.add_argument("--config", default="configs/default.yaml")
     ap.add_argument("--seeds", type=int, default=200)
+    ap.add_argument("--out", help="also write the summary as JSON here")
     args = ap.parse_args()
-    results = json.loads(open(args.results).read())
+    results = json.loads(Path(args.results).read_text())
+    cfg = load_config(args.config)
     table = load_table(results, args.draft)
-    arms = [a for a in results["protocol"]["bandit_arms"] if a in table]
-    missing = set(results["protocol"]["bandit_arms"]) - set(arms)
+    wanted = canonical(results["protocol"]["bandit_arms"])
+    missing = [a for a in wanted if a not in table]
     if missing:
-        raise SystemExit(f"no fixed run for arms {sorted(missing)}: bench every arm first")
-    print(f"{'policy':10s} {'ratio mean':>10s} {'min':>6s} {'p10':>6s} {'best-arm share':>15s}")
+        sys.exit(f"no single-arm run for arms {missing} in {args.results}: bench every arm first")
+    prompts = len(table[wanted[0]])
+    print(
+        f"{prompts} prompts, arms {wanted}, {args.seeds} seeds; {results['environment']['hardware']}"
+    )
+    print(
+        f"{'policy':11s} {'ratio mean':>10s} {'worst':>6s} {'p10':>6s} {'best-arm share':>15s} "
+        f"{'x target':>9s} {'fallbacks':>9s}"
+    )
     out = {}
-    for explore in ("uniform", "plausible"):
-        runs = [replay(table, arms, explore, s) for s in range(args.seeds)]
-        ratios = sorted(r for r, _ in runs)
-        out[explore] = {
-            "ratio_mean": statistics.mean(ratios),
-            "ratio_min": ratios[0],
-            "ratio_p10": ratios[len(ratios) // 10],
-            "best_arm_share_mean": statistics.mean(s for _, s in runs),
-        }
-        o = out[explore]
-        print(
-            f"{explore:10s} {o['ratio_mean']:10.3f} {o['ratio_min']:6.3f} {o['ratio_p10']:6.3f} "
-            f"{o['best_arm_share_mean']:15.2f}"
+    for policy in POLICIES:
+        o = out[policy] = summarise(
+            [replay(table, wanted, cfg, policy, s) for s in range(args.seeds)]
         )
-    print(json.dumps({"seeds": args.seeds, "prompts": len(table[arms[0]]), "policies": out}))
+        to_t = f"{o['to_target_mean']:.3f}" if o["to_target_mean"] is not None else "-"
+        print(
+            f"{policy:11s} {o['ratio_mean']:10.3f} {o['ratio_min']:6.3f} {o['ratio_p10']:6.3f} "
+            f"{o['best_arm_share_mean']:15.2f} {to_t:>9s} {o['fallbacks_mean']:9.2f}"
+            f"   (worst: seed {o['worst_seed']})"
+        )
+    summary = {
+        "results": args.results,
+        "seeds": args.seeds,
+        "prompts": prompts,
+        "arms": wanted,
+        "hardware": results["environment"]["hardware"],
+        "policies": out,
+    }
+    print(json.dumps(summary))
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@
    server.max_batch); local-teacher start-up is inside both. Answers/min come from each distill
    summary. Goal: >= 3x.
 3. Bandit: the bench with the distilled draft on the held-out prompts (all of them by default):
-   every single arm, the configured bandit, and the seed's (explore: uniform). Goal: the
+   every single arm, the configured bandit, and the seed's (policy: seed). Goal: the
    configured bandit's post-warm-up tokens/s >= 0.95x the best single arm on the same prompts.
 
 Writes <artifacts>/perf/performance.json and performance.md (the bench's own report and plots
@@ -98,7 +98,7 @@ def part_teacher(args, cfg, perf: Path) -> dict:
 
 
 def part_bandit(args, cfg, ws: Workspace, perf: Path) -> dict:
-    arms = [a for a in cfg.bandit.arms if a > 0]
+    arms = [a for a in cfg.bandit.arms if a != "0"]  # every arm alone (target always runs)
     bcfg = load_config(
         args.config,
         [
@@ -125,10 +125,10 @@ def part_bandit(args, cfg, ws: Workspace, perf: Path) -> dict:
         "max_new_tokens": results["protocol"]["max_new_tokens"],
         "lossless": results["lossless"],
         "configured": {
-            "explore": cfg.bandit.explore,
+            "explore": cfg.bandit.policy,
             **{k: results["bandit"]["distilled"][k] for k in keep},
         },
-        "seed": {"explore": "uniform", **{k: results["bandit_seed"]["distilled"][k] for k in keep}},
+        "seed": {"explore": "seed", **{k: results["bandit_seed"]["distilled"][k] for k in keep}},
     }
 
 
@@ -162,7 +162,7 @@ def markdown(p: dict) -> str:
     if band:
         b, goal = band["configured"], GOALS["bandit_ratio"]
         lines.append(
-            f"| 3. bandit (explore: {b['explore']}) tokens/s / best single arm, post-warm-up | "
+            f"| 3. bandit (policy: {b['explore']}) tokens/s / best single arm, post-warm-up | "
             f"{b['ratio_to_best_arm']:.2f}x | >= {goal:.2f}x | {met(b['ratio_to_best_arm'], goal)} |"
         )
     if loop:
@@ -208,7 +208,7 @@ def markdown(p: dict) -> str:
             r = band[name]
             best = r["single_arm_tokens_per_second_same_prompts"][str(r["best_single_arm"])]
             lines.append(
-                f"| {name} (explore: {r['explore']}) | {r['post_warmup_requests']} | "
+                f"| {name} (policy: {r['explore']}) | {r['post_warmup_requests']} | "
                 f"{r['post_warmup_tokens_per_second']:.2f} | arm {r['best_single_arm']} "
                 f"({best:.2f}) | {r['ratio_to_best_arm']:.2f}x | "
                 f"{100 * r['share_choosing_best_arm']:.0f}% | {r['post_warmup_arm_counts']} |"

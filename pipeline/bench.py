@@ -28,7 +28,8 @@ from tqdm import tqdm
 from . import models, report
 from .config import Config
 from .errors import InputError, VerificationError
-from .serving import Mode, ServingCore, make_bandit, parse_mode
+from .serving import ServingCore, fixed, make_bandit, make_guard, parse_mode
+from .speculative.arms import parse_arm
 from .workspace import Workspace, atomic_write_json, atomic_write_text, read_jsonl
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
         )
     rows = read_jsonl(ws.test_file)[: cfg.bench.prompts]
     target = models.load_pair(cfg, ws, None)
-    compiled = models.compile_engine(cfg, ws, target.engine, [0])
+    compiled = models.compile_engine(cfg, ws, target.engine, ["0", *free_arms(cfg)])
     ids = prompt_ids(cfg, target.tokenizer, rows)
     engines = {"none": {"compiled": compiled}}
     records = measure_all(cfg, ws, telemetry, drafts, rows, target, ids, engines)
@@ -104,6 +105,11 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
     return {"lossless": True, "rows": len(results["rows"])}
 
 
+def free_arms(cfg: Config) -> list[str]:
+    """The measured arms that need no draft model (ngram:K): run on the target alone."""
+    return [a for a in cfg.bench.fixed_arms if not parse_arm(a).needs_draft]
+
+
 def measure_all(
     cfg: Config, ws: Workspace, telemetry, drafts, rows, target, ids, engines: dict
 ) -> list[dict]:
@@ -117,17 +123,21 @@ def measure_all(
         return ServingCore(
             pair.engine,
             pair.tokenizer,
-            make_bandit(bandit_cfg),
+            make_bandit(bandit_cfg, has_draft=draft is not None),
             model_id,
             draft,
             "bandit" if draft else "target",
             state_file=state,
+            guard=make_guard(bandit_cfg),
         )
 
     def measure(core: ServingCore, draft: str, mode_text: str, label: str | None = None):
         records.extend(measure_mode(cfg, telemetry, core, draft, mode_text, ids, rows, label))
 
-    measure(core_of(target, None), "none", "target")
+    plain = core_of(target, None)
+    measure(plain, "none", "target")
+    for arm in free_arms(cfg):
+        measure(plain, "none", fixed(arm).spec)
     for draft in drafts:
         pair = models.load_pair(cfg, ws, draft_specs[draft], share_target=target)
         engines[draft] = {
@@ -136,13 +146,13 @@ def measure_all(
         }
         state = ws.bench / f"bandit-{draft}.json" if cfg.bench.bandit_state == "persist" else None
         core = core_of(pair, draft, state=state)
-        for k in cfg.bench.fixed_arms:
-            if k > 0:
-                measure(core, draft, f"fixed:{k}")
+        for arm in cfg.bench.fixed_arms:
+            if parse_arm(arm).needs_draft:
+                measure(core, draft, fixed(arm).spec)
         measure(core, draft, "bandit")
         if cfg.bench.seed_bandit:
             seed_cfg = cfg.model_copy(
-                update={"bandit": cfg.bandit.model_copy(update={"explore": "uniform"})}
+                update={"bandit": cfg.bandit.model_copy(update={"policy": "seed"})}
             )
             measure(core_of(pair, draft, bandit_cfg=seed_cfg), draft, "bandit", "bandit_seed")
         del pair, core
@@ -155,12 +165,12 @@ def measure_mode(cfg, telemetry, core, draft, mode_text, ids, rows, label=None) 
     arms = (
         core.bandit.arms
         if mode_text == "bandit"
-        else sorted(set(cfg.bandit.arms) | set(cfg.bench.fixed_arms) | {0})
+        else list(dict.fromkeys(["0", *cfg.bandit.arms, *cfg.bench.fixed_arms]))
     )
     mode = parse_mode(mode_text, arms, core.has_draft)
     # Warm-up: every arm this run can use (the bandit's through fixed modes, so its state is
     # untouched), so no cold start lands in a measured request. Excluded from every figure.
-    warm_modes = [Mode("fixed", a) for a in core.bandit.arms] if mode.kind == "bandit" else [mode]
+    warm_modes = [fixed(a) for a in core.bandit.arms] if mode.kind == "bandit" else [mode]
     for w in range(cfg.bench.warmup_requests):
         for warm in warm_modes:
             core.generate(ids[w % len(ids)], min(16, cfg.bench.max_new_tokens), warm)
@@ -178,7 +188,9 @@ def measure_mode(cfg, telemetry, core, draft, mode_text, ids, rows, label=None) 
                 "prompt_index": i,
                 "task_id": rows[i]["task_id"],
                 "arm": r.arm,
+                "prompt_tokens": r.prompt_tokens,
                 "warmup": bool(d and d.warmup),
+                "fallback": bool(d and d.fallback),
                 "explored": bool(d and d.explored),
                 "epsilon": d.epsilon if d else None,
                 "latency_s": r.latency_s,
@@ -302,7 +314,7 @@ def summarise(cfg, ws, drafts, records, mismatches, near_ties=()) -> dict[str, A
             "fixed_arms": cfg.bench.fixed_arms,
             "bandit_arms": cfg.bandit.arms,
             "bandit_state": cfg.bench.bandit_state,
-            "bandit_explore": cfg.bandit.explore,
+            "bandit_policy": cfg.bandit.policy,
         },
         "drafts": drafts,
         "draft_models": {d: (cfg.models.draft if d == "base" else str(ws.merged)) for d in drafts},

@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from .errors import ConfigError
+from .speculative.arms import FORMS, canonical
 
 
 class Section(BaseModel):
@@ -79,25 +80,47 @@ class DistillConfig(Section):
 
 
 class BanditConfig(Section):
-    arms: list[int] = Field(default_factory=lambda: [0, 2, 4, 6, 8])
-    warmup_pulls: int = Field(2, ge=0, description="Pulls of every arm before the schedule.")
+    arms: list[int | str] = Field(
+        default_factory=lambda: ["0", "draft:2", "draft:4", "ngram:2", "ngram:4"],  # README
+        description="Arms: 0 (no drafting), draft:K (the draft model, also written K), ngram:K "
+        "(prompt lookup, no model); K in 1..16.",
+    )
+    warmup_pulls: int = Field(1, ge=0, description="Pulls of every arm before the schedule.")
     epsilon_start: float = Field(0.3, ge=0, le=1)
     epsilon_floor: float = Field(0.05, ge=0, le=1)
     epsilon_decay: float = Field(0.97, gt=0, le=1)
-    explore: Literal["uniform", "plausible"] = Field(
-        "uniform",
-        description="uniform: the seed's epsilon-greedy; plausible: explore only arms that "
-        "may still be the best (mean + z standard errors >= best mean).",
+    policy: Literal["seed", "plausible", "contextual"] = Field(
+        "plausible",
+        description="seed: the seed's epsilon-greedy (uniform exploration); plausible: explore "
+        "only arms that may still be the best (mean + z standard errors >= best mean); "
+        "contextual: plausible, with values per prompt-length, load and recent-acceptance cell.",
     )
-    z: float = Field(2.0, gt=0, description="Standard errors of slack for explore: plausible.")
+    z: float = Field(2.0, gt=0, description="Standard errors of slack for plausible exploration.")
+    prior_weight: float = Field(
+        4.0, gt=0, description="contextual: in-cell rewards that weigh as much as the global mean."
+    )
+    fallback: bool = Field(
+        True,
+        description="Fall back to plain generation when the exploited speculative arms' recent "
+        "tokens/s is below plain generation's by fallback_margin (then probe to recover).",
+    )
+    fallback_margin: float = Field(0.2, ge=0, lt=1, description="Fraction below plain.")
+    fallback_window: int = Field(8, ge=1, description="Recent requests compared, per side.")
+    fallback_min_samples: int = Field(3, ge=1, description="Speculative requests before judging.")
+    fallback_cooldown: int = Field(
+        10,
+        ge=1,
+        description="Bandit requests served plain after a fallback (doubles if the probe fails).",
+    )
     seed: int = 0
 
     @field_validator("arms")
     @classmethod
-    def _arms_valid(cls, arms: list[int]) -> list[int]:
-        if not arms or any(a < 0 for a in arms) or len(set(arms)) != len(arms):
-            raise ValueError("arms must be distinct non-negative integers")
-        return arms
+    def _arms_valid(cls, arms: list[int | str]) -> list[str]:
+        out = canonical(arms)
+        if not out or len(set(out)) != len(out):
+            raise ValueError(f"arms must be distinct and at least one ({FORMS})")
+        return out
 
 
 class ServerConfig(Section):
@@ -166,7 +189,10 @@ class BenchConfig(Section):
         "of batched vs one-token rounding): 0 for fp32; 0.5 is a safe value for bf16/fp16.",
     )
     prompts: int | None = Field(None, ge=1, description="Held-out prompts to use; null: all.")
-    fixed_arms: list[int] = Field(default_factory=lambda: [4], description="K of the fixed_K runs.")
+    fixed_arms: list[int | str] = Field(
+        default_factory=lambda: ["draft:4", "ngram:4"],
+        description="Arms measured alone, as rows fixed_K (draft:K, also written K) and ngram_K.",
+    )
     drafts: list[Literal["base", "distilled"]] = Field(
         default_factory=lambda: ["base", "distilled"]
     )
@@ -179,9 +205,14 @@ class BenchConfig(Section):
     )
     seed_bandit: bool = Field(
         False,
-        description="Also run the seed's bandit (bandit.explore=uniform) on the same prompts, "
+        description="Also run the seed's bandit (bandit.policy=seed) on the same prompts, "
         "reported as mode bandit_seed.",
     )
+
+    @field_validator("fixed_arms")
+    @classmethod
+    def _fixed_valid(cls, arms: list[int | str]) -> list[str]:
+        return [a for a in dict.fromkeys(canonical(arms)) if a != "0"]  # target always runs
 
 
 class TrainConfig(Section):

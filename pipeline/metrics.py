@@ -16,7 +16,12 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20)
 
 
 class Metrics:
-    def __init__(self, queue_depth: Callable[[], float], running: Callable[[], float]):
+    def __init__(
+        self,
+        queue_depth: Callable[[], float],
+        running: Callable[[], float],
+        fallback_active: Callable[[], float] = lambda: 0.0,
+    ):
         r = self.registry = CollectorRegistry()
         self.num_drafts = Counter(
             "phoenix:spec_decode_num_drafts", "Draft proposals (rounds that drafted).", registry=r
@@ -36,6 +41,17 @@ class Metrics:
         self.arm_choices = Counter(
             "phoenix:bandit_arm_choices", "Bandit decisions, by arm (k).", ["arm"], registry=r
         )
+        self.guard_events = Counter(
+            "phoenix:speculation_guard_events",
+            "Drift guard events: fallback (to plain generation) and recovered.",
+            ["event"],
+            registry=r,
+        )
+        Gauge(
+            "phoenix:speculation_fallback_active",
+            "1 while the drift guard holds bandit requests to plain generation.",
+            registry=r,
+        ).set_function(fallback_active)
         self.generation_tokens = Counter(
             "phoenix:generation_tokens", "Tokens generated for clients.", registry=r
         )
@@ -84,6 +100,8 @@ class Metrics:
                 self.accepted_per_pos.labels(position=str(pos)).inc(n)
         if res.decision is not None:
             self.arm_choices.labels(arm=str(res.decision.arm)).inc()
+        if res.guard_event is not None:
+            self.guard_events.labels(event=res.guard_event["event"]).inc()
         self.generation_tokens.inc(r.output_tokens)
         self.request_success.labels(finished_reason=res.finish_reason).inc()
         if res.finish_reason == "abort":  # the client left: no latency to report

@@ -502,17 +502,20 @@ def use_cpu_gqa() -> None:
     os.environ.setdefault(GQA_ENV, "1")
 
 
-def compile_engine(cfg, ws, engine, arms: list[int]) -> bool:
+def compile_engine(cfg, ws, engine, arms: list) -> bool:
     """Per `engine.compile`: compile the engine's step functions and warm every shape `arms`
-    use, logging progress, with torch's caches under <artifacts>/cache/compile (a restart is
+    (ids such as 0, draft:4, ngram:4) use, logging progress, with torch's caches under <artifacts>/cache/compile (a restart is
     warm). `auto` falls back to eager with one warning; `true` raises. Returns whether the
     engine runs compiled."""
     import os
     import time
 
+    from .speculative.arms import parse_arm
+
     how = cfg.engine.compile
     if how == "false":
         return False
+    arms = [parse_arm(a).k for a in arms]
     cache = ws.compile_cache
     cache.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))

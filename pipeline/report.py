@@ -72,6 +72,8 @@ def position_acceptance(records: list[dict]) -> dict[str, list[float]]:
     out = {}
     for draft in dict.fromkeys(r["draft"] for r in records if r["proposed"]):
         recs = [r for r in records if r["draft"] == draft]
+        if draft == "none":  # proposals without a draft model: prompt lookup
+            draft = "ngram (no draft)"
         width = max(len(r["proposed_per_position"]) for r in recs)
         prop, acc = [0] * width, [0] * width
         for r in recs:
@@ -90,9 +92,9 @@ def bandit_summary(records: list[dict], draft: str, mode: str = "bandit") -> dic
     if not bandit:
         return None
     post = [r for r in bandit if not r["warmup"]]
-    singles: dict[int, dict[int, dict]] = {}  # arm -> prompt index -> record
-    for r in records:
-        if r["mode"] == "target" or (r["draft"] == draft and r["mode"].startswith("fixed_")):
+    singles: dict[str, dict[int, dict]] = {}  # arm -> prompt index -> record
+    for r in records:  # target and ngram_K ran without a draft ("none"), fixed_K with this one
+        if r["draft"] in (draft, "none") and not r["mode"].startswith("bandit"):
             singles.setdefault(r["arm"], {})[r["prompt_index"]] = r
     idx = [r["prompt_index"] for r in post]
 
@@ -125,6 +127,12 @@ def bandit_summary(records: list[dict], draft: str, mode: str = "bandit") -> dic
         else None,
         "arms_in_order": [r["arm"] for r in bandit],
     }
+
+
+def _arm_order(arm: str) -> tuple[str, int]:
+    """0 first, then each strategy by K."""
+    strategy, _, k = arm.partition(":")
+    return ("", 0) if not k else (strategy, int(k))
 
 
 def _fmt(x, digits=2, pct=False):
@@ -189,9 +197,9 @@ def markdown(results: dict) -> str:
     ]
     if results.get("engine"):
         lines += [engine_line(results["engine"]), ""]
-    target = next((r for r in results["rows"] if r["mode"] == "target"), None)
+    free = [r for r in results["rows"] if r["draft"] == "none"]  # target, ngram_K: no draft
     for draft in results["drafts"]:
-        rows = ([target] if target else []) + [r for r in results["rows"] if r["draft"] == draft]
+        rows = free + [r for r in results["rows"] if r["draft"] == draft]
         lines += [
             f"## Draft: {draft} (`{results['draft_models'][draft]}`)",
             "",
@@ -219,9 +227,9 @@ def markdown(results: dict) -> str:
                 f"{_fmt(g['gain'], pct=True)} |"
             )
         lines.append("")
-    explore = results["protocol"].get("bandit_explore", "uniform")
-    runs = [("Bandit", f"explore: {explore}", results.get("bandit") or {})]
-    runs.append(("Seed bandit", "the seed's explore: uniform", results.get("bandit_seed") or {}))
+    policy = results["protocol"].get("bandit_policy", "seed")
+    runs = [("Bandit", f"policy: {policy}", results.get("bandit") or {})]
+    runs.append(("Seed bandit", "the seed's policy", results.get("bandit_seed") or {}))
     for title, policy, per_draft in runs:
         for draft, b in per_draft.items():
             if b:
@@ -278,9 +286,14 @@ def write_plots(results: dict, records: list[dict], out: Path) -> list[str]:
     modes = list(dict.fromkeys(r["mode"] for r in rows if r["mode"] != "target"))
     width = 0.8 / max(1, len(results["drafts"]))
     for j, draft in enumerate(results["drafts"]):
-        vals = [
+        vals = [  # ngram_K rows need no draft: the same bar for every draft
             next(
-                (r["tokens_per_second"] for r in rows if r["draft"] == draft and r["mode"] == m), 0
+                (
+                    r["tokens_per_second"]
+                    for r in rows
+                    if r["draft"] in (draft, "none") and r["mode"] == m
+                ),
+                0,
             )
             for m in modes
         ]
@@ -312,17 +325,13 @@ def write_plots(results: dict, records: list[dict], out: Path) -> list[str]:
                 "tab:grey" if r["warmup"] else ("tab:orange" if r["explored"] else "tab:blue")
                 for r in recs
             ]
-            ax.step(
-                range(1, len(recs) + 1),
-                [r["arm"] for r in recs],
-                where="mid",
-                color="lightgrey",
-                zorder=1,
-            )
-            ax.scatter(range(1, len(recs) + 1), [r["arm"] for r in recs], c=colors, zorder=2, s=25)
+            names = sorted({str(r["arm"]) for r in recs} | {"0"}, key=_arm_order)
+            ys = [names.index(str(r["arm"])) for r in recs]
+            ax.step(range(1, len(recs) + 1), ys, where="mid", color="lightgrey", zorder=1)
+            ax.scatter(range(1, len(recs) + 1), ys, c=colors, zorder=2, s=25)
             ax.axvline(sum(r["warmup"] for r in recs) + 0.5, color="grey", linestyle=":")
-            ax.set_ylabel(f"{draft} {mode}: arm k")
-            ax.set_yticks(sorted({r["arm"] for r in recs} | {0}))
+            ax.set_ylabel(f"{draft} {mode}: arm")
+            ax.set_yticks(range(len(names)), names)
         axes[0, 0].set_title(
             "Bandit: arm per request (grey: warm-up, orange: explored, blue: exploited)"
         )

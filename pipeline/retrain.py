@@ -137,6 +137,10 @@ def run(cfg: Config, root: Path, telemetry, resume: str | None = None) -> dict[s
         stage_cfg = cfg.model_copy(
             update={"publish": cfg.publish.model_copy(update={"target": "none"})}
         )
+        if current_run(root) is None and "base" not in cfg.bench.drafts:
+            # The first run's gate compares with the base draft: bench it too.
+            drafts = ["base", *cfg.bench.drafts]
+            stage_cfg.bench = cfg.bench.model_copy(update={"drafts": drafts})
         steps = {
             "split": lambda: split.run(stage_cfg, ws),
             "distill": lambda: teacher.run(stage_cfg, ws),

@@ -550,6 +550,9 @@ def create_app(
     st.metrics = Metrics(
         queue_depth=lambda: st.admission.count,
         running=lambda: st.core.generating if st.core is not None else 0,
+        fallback_active=lambda: float(
+            st.core is not None and st.core.guard is not None and st.core.guard.active
+        ),
     )
 
     def load() -> None:
@@ -629,6 +632,7 @@ def phoenix_of(res: CoreResult) -> dict:
         "arm": r.arm,
         "proposed": r.proposed,
         "accepted": r.accepted,
+        "rounds": r.rounds,
         "acceptance": r.acceptance,
         "tokens_per_second": r.tokens_per_second,
         "latency_s": r.latency_s,
@@ -637,6 +641,8 @@ def phoenix_of(res: CoreResult) -> dict:
         "accepted_per_position": r.accepted_per_position,
         "proposed_per_position": r.proposed_per_position,
         "explored": d.explored if d else None,
+        "fallback": d.fallback if d else None,  # held to plain generation by the drift guard
+        "guard_event": res.guard_event["event"] if res.guard_event else None,
         "epsilon": d.epsilon if d else None,
     }
 

@@ -18,7 +18,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import models
-from .speculative.bandit import Decision, EpsilonGreedy, load_bandit, save_bandit
+from .speculative.arms import PLAIN, Arm, canonical, parse_arm
+from .speculative.bandit import (
+    Context,
+    ContextualBandit,
+    Decision,
+    DriftGuard,
+    EpsilonGreedy,
+    load_bandit,
+    save_bandit,
+)
 from .speculative.engine import GenerationResult, SpeculativeEngine, TargetBatch
 
 log = logging.getLogger(__name__)
@@ -64,38 +73,56 @@ class Heartbeat:
 
 @dataclass(frozen=True)
 class Mode:
-    kind: str  # "target" | "fixed" | "bandit"
-    k: int = 0
+    kind: str  # "target" | "arm" (one arm for every request) | "bandit"
+    arm: Arm = PLAIN
+
+    @property
+    def k(self) -> int:
+        return self.arm.k
 
     @property
     def name(self) -> str:
-        """The transaction name: target, fixed_K, bandit."""
-        return f"fixed_{self.k}" if self.kind == "fixed" else self.kind
+        """The transaction and bench row name: target, fixed_K, ngram_K, bandit."""
+        return self.arm.name if self.kind == "arm" else self.kind
 
     @property
     def spec(self) -> str:
-        return f"fixed:{self.k}" if self.kind == "fixed" else self.kind
+        """As a request writes it: target, fixed:K, ngram:K, bandit."""
+        if self.kind != "arm":
+            return self.kind
+        return f"fixed:{self.k}" if self.arm.strategy == "draft" else str(self.arm)
 
 
-def parse_mode(text: str, arms: list[int], has_draft: bool) -> Mode:
+def fixed(arm) -> Mode:
+    """The mode that runs one arm (`0` is target)."""
+    a = parse_arm(arm)
+    return Mode("target") if a == PLAIN else Mode("arm", a)
+
+
+def parse_mode(text: str, arms: list[str], has_draft: bool) -> Mode:
+    """A request's (or the config's) mode: target, bandit, or one of `arms` as fixed:K / draft:K
+    (the draft model) or ngram:K (also written fixed_K, ngram_K)."""
     text = text.strip()
+    arms = canonical(arms)
+    usable = [a for a in arms if has_draft or not parse_arm(a).needs_draft]
+    valid = ", ".join(["target", "bandit", *(fixed(a).spec for a in usable if a != "0")])
     if text == "target":
         return Mode("target")
     if text == "bandit":
-        if not has_draft:
-            raise ModeError("mode 'bandit' needs a draft model, and none is loaded")
+        if not any(a != "0" for a in usable):
+            raise ModeError("mode 'bandit' needs a draft model or an ngram arm, and has neither")
         return Mode("bandit")
-    if text.startswith("fixed:") or text.startswith("fixed_"):
-        try:
-            k = int(text[6:])
-        except ValueError:
-            raise ModeError(f"bad mode {text!r}: expected fixed:K with K an integer") from None
-        if k not in arms:
-            raise ModeError(f"bad mode {text!r}: K must be one of the arms {arms}")
-        if k > 0 and not has_draft:
-            raise ModeError(f"mode {text!r} needs a draft model, and none is loaded")
-        return Mode("fixed", k)
-    raise ModeError(f"unknown mode {text!r}: use target, fixed:K (K in {arms}) or bandit")
+    try:
+        arm = parse_arm(text.replace("_", ":", 1))
+    except ValueError:
+        raise ModeError(f"unknown mode {text!r}: the valid modes are {valid}") from None
+    if arm.needs_draft and not has_draft:
+        raise ModeError(
+            f"mode {text!r} needs a draft model, and none is loaded; valid here: {valid}"
+        )
+    if str(arm) not in arms and arm != PLAIN:
+        raise ModeError(f"bad mode {text!r}: not one of the configured arms; valid: {valid}")
+    return fixed(arm)
 
 
 class TextTracker:
@@ -144,6 +171,7 @@ class CoreResult:
     result: GenerationResult
     decision: Decision | None
     stopped_by_string: bool = False
+    guard_event: dict | None = None  # the drift guard fell back or recovered after this request
 
 
 @dataclass(eq=False)
@@ -291,15 +319,24 @@ class ServingCore:
         default_mode: str = "bandit",
         state_file: Path | None = None,
         max_batch: int = 1,
+        guard: DriftGuard | None = None,
     ):
+        """`guard`: fall back to plain generation when speculation stops paying (bandit
+        requests only; needs arm 0 among the bandit's arms)."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.bandit = bandit
         self.model_id = model_id
         self.draft_id = draft_id
         self.has_draft = engine.draft is not None
+        if not self.has_draft and any(parse_arm(a).needs_draft for a in bandit.arms):
+            raise ValueError(f"bandit arms {bandit.arms} include draft arms, and there is no draft")
         self.default_mode = parse_mode(default_mode, bandit.arms, self.has_draft)
         self.state_file = state_file
+        self.plain_arm = next((a for a in bandit.arms if parse_arm(a) == PLAIN), None)
+        self.guard = guard if self.plain_arm is not None else None
+        self._inflight = 0  # requests inside generate (the policy's load context)
+        self._count_lock = threading.Lock()
         self.lock = threading.Lock()
         self._in_engine = False  # a speculative generation holds the lock
         self.heartbeat = Heartbeat()
@@ -353,12 +390,25 @@ class ServingCore:
         """Generate one request. `cancel` (a client gone, a shutdown) ends generation after the
         engine's current round, with the text so far; set before generation starts (while the
         request waits for the lock or the batch), it raises `Cancelled` instead."""
-        with self.heartbeat.working():
-            return self._generate(prompt_ids, max_tokens, mode, stop, on_text, cancel)
+        with self._count_lock:
+            self._inflight += 1
+        try:
+            with self.heartbeat.working():
+                return self._generate(prompt_ids, max_tokens, mode, stop, on_text, cancel)
+        finally:
+            with self._count_lock:
+                self._inflight -= 1
+
+    def choose(self, context: Context) -> Decision:
+        """The bandit's arm for a request, unless the drift guard holds it to plain generation."""
+        if self.guard is not None and self.guard.hold():
+            return Decision(self.plain_arm, False, False, 0.0, {}, {}, fallback=True)
+        return self.bandit.choose(context)
 
     def _generate(self, prompt_ids, max_tokens, mode, stop, on_text, cancel) -> CoreResult:
-        decision = self.bandit.choose() if mode.kind == "bandit" else None
-        k = decision.arm if decision else mode.k
+        context = Context(len(prompt_ids), max(0, self._inflight - 1))
+        decision = self.choose(context) if mode.kind == "bandit" else None
+        arm = parse_arm(decision.arm) if decision else mode.arm
         tracker = TextTracker(self.tokenizer, stop or [])
 
         def should_stop(out: list[int]) -> bool:
@@ -368,13 +418,19 @@ class ServingCore:
                 on_text(delta)
             return tracker.stopped or (cancel is not None and cancel.is_set())
 
-        if self.batcher is not None and k == 0 and not tracker.stops and on_text is None:
+        if self.batcher is not None and arm.k == 0 and not tracker.stops and on_text is None:
             result = self.batcher.submit(prompt_ids, max_tokens, cancel)
         else:
             self._acquire(cancel)
             self._in_engine = True
             try:
-                result = self.engine.generate(prompt_ids, k, max_tokens, should_stop=should_stop)
+                result = self.engine.generate(
+                    prompt_ids,
+                    arm.k,
+                    max_tokens,
+                    should_stop=should_stop,
+                    strategy="draft" if arm.k == 0 else arm.strategy,
+                )
             finally:
                 self._in_engine = False
                 self.lock.release()
@@ -386,11 +442,31 @@ class ServingCore:
         cancelled = cancel is not None and cancel.is_set()
         # vLLM's name for a request whose client left: not a success, not a stop string.
         finish = "abort" if cancelled else ("stop" if tracker.stopped else result.finish_reason)
+        event = None
         if decision is not None and not cancelled:
-            self.bandit.update(k, result.tokens_per_second)
+            tps = result.tokens_per_second
+            # Weighted by latency: an arm's mean is its tokens over its time, as the bench counts.
+            weight = max(result.latency_s, 1e-6)
+            self.bandit.update(decision.arm, tps, context, result.acceptance, weight)
             if self.state_file is not None:
                 save_bandit(self.bandit, self.state_file)
-        return CoreResult(tracker.text, finish, mode, result, decision, tracker.stopped)
+            if self.guard is not None:
+                exploited = not (decision.explored or decision.warmup or decision.fallback)
+                event = self.guard.observe(arm.k == 0, exploited, tps)
+            if event is not None:
+                log.warning(
+                    "speculation %s: exploited speculative arms %.2f tokens/s vs plain %.2f "
+                    "(margin %.0f%%)%s",
+                    event["event"],
+                    event["speculative_tps"],
+                    event["plain_tps"],
+                    100 * event["margin"],
+                    f"; plain generation for the next {event['cooldown_requests']} bandit "
+                    "requests, then a probe"
+                    if event["event"] == "fallback"
+                    else "; the bandit drafts again",
+                )
+        return CoreResult(tracker.text, finish, mode, result, decision, tracker.stopped, event)
 
     def _acquire(self, cancel: threading.Event | None, poll_s: float = 0.05) -> None:
         """Take the generation lock; give up with `Cancelled` if the caller cancels meanwhile."""
@@ -405,29 +481,49 @@ def build_core(cfg, ws, mode: str | None = None) -> ServingCore:
     """Load models per config and build the core. Target-only mode skips loading the draft."""
     mode = mode or cfg.server.mode
     pair = models.load_pair(cfg, ws, None if mode == "target" else cfg.models.draft)
-    models.compile_engine(cfg, ws, pair.engine, cfg.bandit.arms if pair.draft_ref else [0])
+    has_draft = pair.draft_ref is not None
+    bandit = make_bandit(cfg, has_draft)
+    # A target-only server (the local teacher) compiles the one-token step alone; an ngram:K
+    # request there verifies eagerly.
+    models.compile_engine(cfg, ws, pair.engine, ["0"] if mode == "target" else bandit.arms)
     return ServingCore(
         pair.engine,
         pair.tokenizer,
-        make_bandit(cfg),
+        bandit,
         model_id=cfg.models.served_name or cfg.models.target,
         draft_id=cfg.models.draft if pair.draft_ref else None,
         default_mode=mode,
         state_file=ws.state / "bandit.json",
         max_batch=cfg.server.max_batch,
+        guard=make_guard(cfg),
     )
 
 
-def make_bandit(cfg) -> EpsilonGreedy:
-    """A fresh bandit from the `bandit` config section, seeded."""
+def make_bandit(cfg, has_draft: bool = True) -> EpsilonGreedy:
+    """A fresh bandit from the `bandit` config section, seeded; without a draft model, over the
+    arms that need none (0 and ngram:K)."""
     b = cfg.bandit
-    return EpsilonGreedy(
-        b.arms,
-        random.Random(b.seed),
-        b.warmup_pulls,
-        b.epsilon_start,
-        b.epsilon_floor,
-        b.epsilon_decay,
-        explore=b.explore,
+    arms = [a for a in b.arms if has_draft or not parse_arm(a).needs_draft]
+    args = (arms or ["0"], random.Random(b.seed), b.warmup_pulls)
+    kw = dict(
+        epsilon_start=b.epsilon_start,
+        epsilon_floor=b.epsilon_floor,
+        epsilon_decay=b.epsilon_decay,
         z=b.z,
+    )
+    if b.policy == "contextual":
+        return ContextualBandit(*args, prior_weight=b.prior_weight, **kw)
+    return EpsilonGreedy(*args, explore="uniform" if b.policy == "seed" else "plausible", **kw)
+
+
+def make_guard(cfg) -> DriftGuard | None:
+    """The drift guard per `bandit.fallback_*` (None: off)."""
+    b = cfg.bandit
+    if not b.fallback:
+        return None
+    return DriftGuard(
+        window=b.fallback_window,
+        margin=b.fallback_margin,
+        cooldown=b.fallback_cooldown,
+        min_samples=b.fallback_min_samples,
     )

@@ -98,6 +98,16 @@ class SentryRecorder(NullRecorder):
             proposed=r.proposed,
             attributes={"mode": self.mode.name, "arm": r.arm, **data},  # the transaction's fields
         )
+        ev = getattr(res, "guard_event", None)
+        if ev is not None:  # the drift guard fell back to plain generation, or recovered
+            with self.sdk.new_scope() as scope:
+                scope.set_tag("speculation", ev["event"])
+                scope.set_context("drift_guard", ev)
+                self.sdk.capture_message(
+                    f"phoenix speculation {ev['event']}: speculative "
+                    f"{ev['speculative_tps']:.2f} vs plain {ev['plain_tps']:.2f} tokens/s",
+                    level="warning" if ev["event"] == "fallback" else "info",
+                )
         if res.decision is not None:
             d = res.decision
             self.sdk.logger.info(
@@ -107,6 +117,7 @@ class SentryRecorder(NullRecorder):
                 epsilon=d.epsilon,
                 attributes={
                     "warmup": d.warmup,
+                    "fallback": d.fallback,
                     "means": str({a: round(m, 3) for a, m in d.means.items()}),
                 },
             )

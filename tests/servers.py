@@ -42,7 +42,9 @@ class ServerThread:
 def tiny_core(tiny_models, state_file=None, mode="bandit", seed=0, max_batch=1) -> ServingCore:
     tok, target, draft = tiny_models
     engine = SpeculativeEngine(target, draft, [tok.eos_token_id])
-    bandit = EpsilonGreedy([0, 2, 4, 6, 8], random.Random(seed))
+    bandit = EpsilonGreedy(
+        ["0", "draft:2", "draft:4", "draft:6", "draft:8", "ngram:4"], random.Random(seed)
+    )
     return ServingCore(
         engine,
         tok,

@@ -168,20 +168,99 @@ def test_variance_survives_a_restart(tmp_path):
     assert c.m2 == b.m2 and c.candidates() == b.candidates()
 
 
+def _rec(lat, tokens=10, proposed=0, accepted=0, prompt_tokens=100):
+    return {
+        "latency_s": lat,
+        "output_tokens": tokens,
+        "proposed": proposed,
+        "accepted": accepted,
+        "prompt_tokens": prompt_tokens,
+    }
+
+
 def test_replay_of_measured_arms_scores_policies_like_the_bench():
     """benchmarks/bandit_replay.py: arm 0 is always twice as fast as any drafting arm."""
-    import sys
-
+    from pipeline.config import load_config
     from tests.conftest import ROOT
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bandit_replay import replay
 
-    arms = [0, 2, 4, 6, 8]
-    table = {a: {i: (1.0 if a == 0 else 2.0, 10) for i in range(50)} for a in arms}
-    # Rewards without noise: the plausible policy never explores a slower arm after warm-up.
-    assert replay(table, arms, "plausible", seed=0) == (1.0, 1.0)
-    uniform = [replay(table, arms, "uniform", seed=s) for s in range(10)]
-    assert all(0.5 <= r < 1.0 and share < 1.0 for r, share in uniform)
-    even = {a: {i: (1.0, 10) for i in range(50)} for a in arms}
-    assert replay(even, arms, "uniform", seed=0)[0] == 1.0
+    cfg = load_config(None, ["bandit.warmup_pulls=1"])
+    arms = ["0", "draft:2", "draft:4", "ngram:2", "ngram:4"]
+    table = {a: {i: _rec(1.0 if a == "0" else 2.0) for i in range(50)} for a in arms}
+    # Rewards without noise: plausible and contextual never explore a slower arm after warm-up.
+    for policy in ("plausible", "contextual"):
+        r = replay(table, arms, cfg, policy, seed=0)
+        assert (r["ratio"], r["best_share"], r["best_arm"], r["fallbacks"]) == (1.0, 1.0, "0", 0)
+    seed = [replay(table, arms, cfg, "seed", seed=s) for s in range(10)]
+    assert all(0.5 <= r["ratio"] < 1.0 and r["best_share"] < 1.0 for r in seed)
+    even = {a: {i: _rec(1.0) for i in range(50)} for a in arms}
+    assert replay(even, arms, cfg, "seed", seed=0)["ratio"] == 1.0
+
+
+def test_contextual_policy_learns_a_different_best_arm_per_prompt_length():
+    """Short prompts: ngram:4 is best; long prompts: arm 0. A context-free bandit must pick one
+    arm for both; the contextual one learns each cell and beats it."""
+    from pipeline.speculative.bandit import Context, ContextualBandit
+
+    arms = ["0", "ngram:4"]
+
+    def reward(arm, ctx):
+        short = ctx.prompt_tokens < 128
+        return 30.0 if (arm == "ngram:4") == short else 10.0
+
+    def run(bandit, contextual):
+        rng, got = random.Random(3), []
+        for i in range(300):
+            ctx = Context(prompt_tokens=50 if i % 2 else 400)
+            d = bandit.choose(ctx if contextual else None)
+            r = reward(d.arm, ctx) + rng.random()
+            bandit.update(d.arm, r, ctx if contextual else None, 0.3 if d.arm != "0" else None)
+            got.append(r)
+        return sum(got[100:]) / 200
+
+    ctx_mean = run(ContextualBandit(arms, random.Random(0), 1), True)
+    flat_mean = run(EpsilonGreedy(arms, random.Random(0), 1, explore="plausible"), False)
+    assert ctx_mean > 27 and flat_mean < 22
+    b = ContextualBandit(arms, random.Random(0), 1)
+    b.update("ngram:4", 30.0, Context(50), acceptance=0.5)
+    assert b.recent_acceptance == {"ngram": 0.5}
+    assert b.cell("ngram:4", Context(50, queue_depth=5)) == (0, 2, 2)  # short, loaded, high
+    assert b.cell("0", Context(600)) == (3, 0, -1)  # arm 0 has no acceptance
+
+
+def test_contextual_state_round_trips(tmp_path):
+    from pipeline.speculative.bandit import Context, ContextualBandit
+
+    b = ContextualBandit(["0", "ngram:4"], random.Random(0), 1)
+    for i in range(6):
+        d = b.choose(Context(100 * i))
+        b.update(d.arm, float(i), Context(100 * i), 0.2 if d.arm != "0" else None)
+    save_bandit(b, tmp_path / "s.json")
+    c = ContextualBandit(["0", "ngram:4"], random.Random(0), 1)
+    assert load_bandit(c, tmp_path / "s.json") == "restored"
+    assert c.cells == b.cells and c.recent_acceptance == b.recent_acceptance
+    assert c.value("ngram:4", Context(300)) == b.value("ngram:4", Context(300))
+
+
+def test_drift_guard_falls_back_cools_down_and_probes():
+    from pipeline.speculative.bandit import DriftGuard
+
+    g = DriftGuard(window=4, margin=0.2, cooldown=2, min_samples=2)
+    assert g.observe(True, False, 10.0) is None  # plain: 10 tokens/s
+    for _ in range(3):
+        assert g.observe(False, True, 20.0) is None  # drafting pays
+    assert g.observe(False, False, 1.0) is None  # an explored arm is not what is served
+    assert not g.hold()
+    assert g.observe(False, True, 1.0) is None  # window 20, 20, 20, 1: still fine
+    ev = g.observe(False, True, 1.0) or g.observe(False, True, 1.0) or g.observe(False, True, 1.0)
+    assert ev["event"] == "fallback" and ev["plain_tps"] == 10.0 and ev["cooldown_requests"] == 2
+    assert g.active and g.hold() and g.hold() and not g.hold()  # two plain requests, then probe
+    assert g.observe(False, True, 5.0) is None  # one probe sample: not judged yet
+    ev = g.observe(False, True, 5.0)
+    assert ev["event"] == "fallback" and ev["cooldown_requests"] == 4  # failed probe: doubled
+    assert g.hold() and g.hold() and g.hold() and g.hold() and not g.hold()
+    g.observe(False, True, 15.0)
+    assert g.observe(False, True, 15.0)["event"] == "recovered"
+    assert g.observe(False, True, 15.0) is None  # recovered once, then quiet

@@ -92,6 +92,7 @@ def test_bench_ci_end_to_end(merged_ws, tmp_path):
     modes = {(row["draft"], row["mode"]) for row in results["rows"]}
     assert modes == {
         ("none", "target"),
+        ("none", "ngram_4"),
         ("base", "fixed_4"),
         ("base", "bandit"),
         ("distilled", "fixed_4"),
@@ -112,8 +113,8 @@ def test_bench_ci_end_to_end(merged_ws, tmp_path):
         assert (row["arm_counts"] is not None) == (row["mode"] == "bandit")
         if row["mode"] == "bandit":
             assert sum(row["arm_counts"].values()) == 11
-    assert len(results["requests"]) == 5 * 11
-    assert set(results["position_acceptance"]) == {"base", "distilled"}
+    assert len(results["requests"]) == 6 * 11
+    assert set(results["position_acceptance"]) == {"base", "distilled", "ngram (no draft)"}
     # The distilled draft was trained on this target's answers: it must agree with it more often.
     gain = results["distillation_gain"]["fixed_4"]
     assert gain["distilled"] > gain["base"]
@@ -156,8 +157,7 @@ def test_bench_base_only_and_missing_distilled(merged_ws, tmp_path, cli):
     assert seed["warmup_requests"] + seed["post_warmup_requests"] == 3
     assert seed["arms_in_order"] == results["bandit"]["base"]["arms_in_order"][:3]
     assert (
-        "Seed bandit (base draft; the seed's explore: uniform)"
-        in (art / "bench" / "report.md").read_text()
+        "Seed bandit (base draft; the seed's policy)" in (art / "bench" / "report.md").read_text()
     )
 
 
@@ -316,7 +316,8 @@ def test_every_measured_mode_is_warmed_up_first(merged_ws, tmp_path, monkeypatch
     warm, n = 16, 32  # warm-ups are 16 tokens; ci.yaml measures 32
     assert calls[:3] == [(0, warm), (0, n), (0, n)]  # target
     assert calls[3:6] == [(2, warm), (2, n), (2, n)]  # fixed_2
-    assert calls[6:11] == [(a, warm) for a in (0, 2, 4, 6, 8)]  # every bandit arm, then measured
+    # Every bandit arm (0, draft:2, draft:4, ngram:2, ngram:4), then measured.
+    assert calls[6:11] == [(a, warm) for a in (0, 2, 4, 2, 4)]
     assert all(t == n for _, t in calls[11:]) and len(calls) == 13
 
 

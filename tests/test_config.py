@@ -73,3 +73,31 @@ def test_missing_and_malformed_files(tmp_path):
 def test_bandit_arms_validated():
     with pytest.raises(ConfigError, match="bandit.arms"):
         load_config(None, ["bandit.arms=[2,2]"])
+
+
+def test_arms_are_strategies_and_lengths():
+    cfg = load_config(None, ["bandit.arms=[0, 4, 'fixed:2', 'ngram:3']", "bench.fixed_arms=[4]"])
+    assert cfg.bandit.arms == ["0", "draft:4", "draft:2", "ngram:3"]
+    assert cfg.bench.fixed_arms == ["draft:4"]
+    for bad, why in (
+        ("[0, 'lookahead:4']", "unknown draft strategy"),
+        ("[0, 'ngram:x']", "K must be an integer"),
+        ("[0, 'ngram:99']", "K must be in 1..16"),
+        ("[0, 'draft:4', 4]", "distinct"),
+    ):
+        with pytest.raises(ConfigError, match="bandit.arms") as err:
+            load_config(None, [f"bandit.arms={bad}"])
+        assert why in str(err.value) and "ngram:K" in str(err.value)  # names the valid forms
+
+
+def test_bad_arm_in_config_exits_2(tmp_path, cli):
+    r = cli(
+        "split",
+        "--config",
+        "configs/ci.yaml",
+        "--artifacts",
+        tmp_path,
+        "--set",
+        "bandit.arms=[0,'warp:2']",
+    )
+    assert r.returncode == 2 and "unknown draft strategy" in r.log and "ngram:K" in r.log

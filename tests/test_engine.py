@@ -263,3 +263,58 @@ def test_skinny_linears_match_plain_linear_and_leave_training_alone():
     # With grad enabled (training) the plain path runs and gradients flow.
     model(torch.randn(3, 24)).sum().backward()
     assert model[0].weight.grad is not None
+
+
+def test_ngram_index_proposes_what_followed_the_latest_longest_match():
+    from pipeline.speculative.engine import NgramIndex
+
+    seq = [1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 2, 3]
+    # Last 3 tokens (7, 2, 3) never occurred before; (2, 3) did, latest at 6..7, followed by 5, 7.
+    assert NgramIndex().propose(seq, 2) == [5, 7]
+    assert NgramIndex().propose(seq, 10) == [5, 7, 2, 3]  # cut at the end of the sequence
+    assert NgramIndex().propose([1, 2, 3, 1, 2, 3], 2) == [1, 2]  # a 3-gram match first
+    assert NgramIndex().propose([5, 6, 7, 8], 4) == []  # nothing earlier: no proposal
+    assert NgramIndex().propose([4], 3) == []
+    idx = NgramIndex()  # incremental: the same answers as a fresh index as the sequence grows
+    grown = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4]
+    for n in range(1, len(grown) + 1):
+        assert idx.propose(grown[:n], 3) == NgramIndex().propose(grown[:n], 3)
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_ngram_strategy_is_lossless_and_needs_no_draft(tiny_models, k):
+    """ngram:K on an engine without a draft model: output equal to target-only, proposals only
+    in rounds that found a match (the others are plain steps), counts consistent."""
+    tok, target, _ = tiny_models
+    eng = SpeculativeEngine(target, None, [tok.eos_token_id])
+    for text in [*PROMPTS, "def f(a): return a + a + a + a + a + a + a"]:
+        ids = ids_for(tok, text)
+        ref = eng.generate(ids, 0, 32)
+        r = eng.generate(ids, k, 32, strategy="ngram")
+        assert r.token_ids == ref.token_ids and r.finish_reason == ref.finish_reason
+        assert r.arm == f"ngram:{k}" and r.draft_s >= 0
+        assert r.proposed == sum(r.proposed_per_position) <= k * r.rounds
+        assert r.accepted == sum(r.accepted_per_position) <= r.proposed
+        assert r.output_tokens <= r.rounds + r.accepted  # each round: accepted + one token
+    with pytest.raises(ValueError, match="needs a draft model"):
+        eng.generate(ids, 2, 8)
+    with pytest.raises(ValueError, match="unknown draft strategy"):
+        eng.generate(ids, 2, 8, strategy="lookahead")
+
+
+def test_ngram_proposals_that_match_the_target_are_all_accepted(tiny_models, monkeypatch):
+    """Proposals equal to the target's own continuation (a lookup that always finds the right
+    span): every one is accepted and a round commits k + 1 tokens; the output is unchanged."""
+    from pipeline.speculative import engine as engine_mod
+
+    tok, target, _ = tiny_models
+    eng = SpeculativeEngine(target, None, [tok.eos_token_id])
+    ids = ids_for(tok, PROMPTS[0])
+    ref = eng.generate(ids, 0, 24).token_ids
+    assert len(ref) == 24
+    monkeypatch.setattr(
+        engine_mod.NgramIndex, "propose", lambda self, seq, k: ref[len(seq) - len(ids) :][:k]
+    )
+    r = eng.generate(ids, 3, 24, strategy="ngram")
+    assert r.token_ids == ref
+    assert r.accepted == r.proposed > 0 and r.rounds == 6  # 6 rounds of 3 guesses + 1

@@ -53,7 +53,7 @@ def test_health_503_while_loading_then_200(tiny_models):
 
 def test_every_mode_is_lossless_over_http(server):
     outputs = {}
-    for mode in ["target", "fixed:0", "fixed:2", "fixed:4", "fixed:8", "bandit"]:
+    for mode in ["target", "fixed:0", "fixed:2", "fixed:4", "fixed:8", "ngram:4", "bandit"]:
         r = post(server, CHAT, chat_body(phoenix={"mode": mode}))
         assert r.status_code == 200, r.text
         body = r.json()
@@ -69,9 +69,12 @@ def test_every_mode_is_lossless_over_http(server):
         ph = body["phoenix"]
         assert details["accepted_prediction_tokens"] == ph["accepted"]
         assert details["rejected_prediction_tokens"] == ph["proposed"] - ph["accepted"]
-        assert ph["mode"] == mode and ph["tokens_per_second"] > 0
-        if mode.startswith("fixed:"):
-            assert ph["arm"] == int(mode[6:])
+        assert ph["mode"] == ("target" if mode == "fixed:0" else mode)
+        assert ph["tokens_per_second"] > 0
+        if mode in ("fixed:2", "fixed:4", "fixed:8"):
+            assert ph["arm"] == f"draft:{mode[6:]}"
+        if mode == "ngram:4":
+            assert ph["arm"] == "ngram:4" and ph["proposed"] <= 4 * ph["rounds"]
         outputs[mode] = choice["message"]["content"]
     assert len(set(outputs.values())) == 1, outputs
 
@@ -121,7 +124,9 @@ def test_streaming_matches_non_streaming(server):
     assert text == plain
     finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     assert len(finals) == 1
-    assert chunks[-1]["usage"]["completion_tokens"] > 0 and chunks[-1]["phoenix"]["arm"] == 4
+    assert (
+        chunks[-1]["usage"]["completion_tokens"] > 0 and chunks[-1]["phoenix"]["arm"] == "draft:4"
+    )
 
 
 @pytest.mark.parametrize(
@@ -311,8 +316,9 @@ def test_restart_keeps_bandit_state(tmp_path):
     saved = json.loads(state.read_text())
     assert sum(saved["counts"].values()) == 3
     (body,) = serve_and_post(1)
-    # The 4th decision continues the warm-up order (arms 0,2,4,6,...): state was reloaded.
-    assert body["phoenix"]["arm"] == 6
+    # The 4th decision continues the warm-up order (0, draft:2, draft:4, ngram:2, ...): state
+    # was reloaded.
+    assert body["phoenix"]["arm"] == "ngram:2"
     assert sum(json.loads(state.read_text())["counts"].values()) == 4
     state.write_text("garbage")
     serve_and_post(0)
@@ -449,3 +455,40 @@ def test_compiled_server_warms_before_health_and_bounds_context(tmp_path, monkey
         err = r.json()["error"]
         assert "64 tokens" in err["message"] and "engine.max_context" in err["message"]
         assert ask().status_code == 200  # and it keeps serving
+
+
+def test_ngram_mode_needs_no_draft_and_bad_modes_name_the_valid_arms(tiny_models):
+    """A server without a draft model serves ngram:K (and a bandit over 0 and ngram arms); an
+    unknown strategy, an unconfigured length or a draft arm there is a 400 naming the arms."""
+    import random
+
+    from pipeline.serving import ServingCore
+    from pipeline.speculative.bandit import EpsilonGreedy
+    from pipeline.speculative.engine import SpeculativeEngine
+
+    tok, target, _ = tiny_models
+
+    def load():
+        engine = SpeculativeEngine(target, None, [tok.eos_token_id])
+        bandit = EpsilonGreedy(["0", "ngram:2", "ngram:4"], random.Random(0))
+        return ServingCore(engine, tok, bandit, "tiny", None, default_mode="ngram:4")
+
+    with ServerThread(create_app(load)) as s:
+        wait_http(s.url + "/health")
+        plain = post(s, CHAT, chat_body(phoenix={"mode": "target"})).json()
+        for mode in (None, "ngram:2", "ngram_4", "bandit"):
+            body = chat_body(phoenix={"mode": mode}) if mode else chat_body()
+            r = post(s, CHAT, body)
+            assert r.status_code == 200, r.text
+            ph = r.json()["phoenix"]
+            assert ph["arm"] in ("0", "ngram:2", "ngram:4")
+            assert r.json()["choices"][0]["message"] == plain["choices"][0]["message"]
+        for mode, why in (
+            ("lookahead:4", "unknown mode"),
+            ("ngram:3", "not one of the configured arms"),
+            ("fixed:2", "needs a draft model"),
+        ):
+            r = post(s, CHAT, chat_body(phoenix={"mode": mode}))
+            assert r.status_code == 400, r.text
+            msg = r.json()["error"]["message"]
+            assert why in msg and "ngram:2, ngram:4" in msg, msg

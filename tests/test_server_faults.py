@@ -6,6 +6,7 @@ reading; real tiny models (slowed or stopped with a forward hook where a test ne
 
 import contextlib
 import itertools
+import os
 import random
 import signal
 import subprocess
@@ -266,3 +267,57 @@ def test_health_reports_no_leak_after_mixed_hang_ups_in_a_real_process(tmp_path)
         every_mode_serves(url, model)
     finally:
         sigterm_exits_within(proc, 15)
+
+
+def test_a_draft_made_slow_mid_run_falls_back_to_plain_then_recovers(model_cache):
+    """The drift guard, end to end in a real server process (tests/drift_server.py) with the
+    real Sentry SDK pointed at a local endpoint: fast drafting, then a slow draft until the
+    guard falls back (log line, Sentry event, metric), a cool-down of plain requests, then a
+    probe with the draft fast again that recovers."""
+    import json
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.fake_sentry import FakeSentry
+
+    with FakeSentry() as sentry:
+        r = subprocess.run(
+            [sys.executable, "-m", "tests.drift_server", str(model_cache)],
+            cwd=ROOT,
+            env={**os.environ, "SENTRY_DSN": sentry.dsn},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert sentry.wait_for(lambda: len(sentry.items("event")) >= 2)
+        events = sentry.items("event")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    resp = out["responses"]
+    phases = [x["phase"] for x in resp]
+    fast = [x for x in resp if x["phase"] == "fast"]
+    assert [x["arm"] for x in fast] == ["0", "draft:4", "draft:4", "draft:4", "draft:4"]
+    assert not any(x["fallback"] or x["guard_event"] for x in fast)  # drafting paid: no alarm
+    slow = [x for x in resp if x["phase"] == "slow"]
+    assert slow[-1]["guard_event"] == "fallback" and len(slow) <= 6
+    assert all(x["arm"] == "draft:4" for x in slow)  # the bandit alone kept exploiting it
+    cool = [x for x in resp if x["phase"] == "cooldown"]
+    assert len(cool) == 3 and all(x["arm"] == "0" and x["fallback"] for x in cool)
+    probe = [x for x in resp if x["phase"] == "probe"]
+    assert [x["arm"] for x in probe] == ["draft:4"] * 3 and not any(x["fallback"] for x in probe)
+    assert probe[1]["guard_event"] == "recovered", phases
+    assert "speculation fallback" in r.stderr and "speculation recovered" in r.stderr
+    messages = [e.get("message") or e.get("logentry", {}).get("message", "") for e in events]
+    assert any("speculation fallback" in m for m in messages), messages
+    assert any("speculation recovered" in m for m in messages), messages
+    fb = next(e for e in events if "fallback" in (e.get("message") or ""))
+    assert fb["level"] == "warning" and fb["tags"]["speculation"] == "fallback"
+    assert "publickey" not in r.stderr
+    samples = {
+        (x.name, tuple(sorted(x.labels.items()))): x.value
+        for fam in text_string_to_metric_families(out["metrics"])
+        for x in fam.samples
+    }
+    assert samples[("phoenix:speculation_guard_events_total", (("event", "fallback"),))] == 1
+    assert samples[("phoenix:speculation_guard_events_total", (("event", "recovered"),))] == 1
+    assert samples[("phoenix:speculation_fallback_active", ())] == 0

@@ -47,7 +47,7 @@ def test_requests_send_transactions_spans_logs_and_profiles(tmp_path):
         txs
     )  # one per request, named by mode; nothing else
     assert not [name for name in txs if name.startswith("/")]
-    for name, arm in (("target", "0"), ("fixed_4", "4")):
+    for name, arm in (("target", "0"), ("fixed_4", "draft:4")):
         t = txs[name]
         assert (
             t["tags"]["mode"] == name

@@ -1,4 +1,7 @@
-"""Epsilon-greedy choice of the draft length per request. Pure: arms and rewards, no models.
+"""Epsilon-greedy choice of the draft arm per request, and the drift guard. Pure: arms and
+rewards, no models.
+
+Arms are any hashable ids (the server's are `arms.Arm` texts: 0, draft:K, ngram:K).
 
 Schedule (the seed's, and the default): every arm is pulled `warmup_pulls` times first, in
 order; then with probability eps_t = max(floor, start * decay**t) (t = decisions after warm-up)
@@ -6,9 +9,19 @@ a uniformly random arm is explored, otherwise the arm with the best running-aver
 exploited. Means are updated incrementally: r_a <- r_a + (r - r_a) / n_a.
 
 `explore="plausible"` (optional) explores only among arms that could still be the best: those
-whose mean plus `z` standard errors reaches the best arm's mean (arms with fewer than two
-rewards always qualify). Arms that are clearly slower stop costing exploration time, which is
+whose mean plus `z` standard errors reaches the best arm's mean (an arm with one reward uses
+the arms' pooled spread; without one, and with no reward, it qualifies). Arms that are clearly slower stop costing exploration time, which is
 what keeps the bandit close to the best single arm when one arm dominates.
+
+`ContextualBandit` (policy `contextual`) is the plausible policy with context: the caller passes
+a `Context` (prompt length, queue depth) to `choose` and `update`, and each arm's value in a
+context cell (prompt-length bucket x load bucket x that arm's strategy's recent-acceptance
+bucket) is its mean there shrunk towards its global mean, (n_c m_c + w m) / (n_c + w), so a cell
+with few rewards behaves like the context-free policy and warm-up stays one pull per arm.
+
+`DriftGuard` watches the rewards: when the speculative arm the bandit exploits delivers less
+than plain generation by a margin over a window, it holds the bandit to arm 0 for a cool-down,
+then lets it probe again.
 """
 
 from __future__ import annotations
@@ -17,9 +30,13 @@ import json
 import logging
 import math
 import random
+import statistics
 import threading
 import time
-from dataclasses import dataclass
+from bisect import bisect_right
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..workspace import atomic_write_json
@@ -28,13 +45,23 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class Context:
+    """What the policy may condition on, known before a request runs."""
+
+    prompt_tokens: int = 0
+    queue_depth: int = 0  # other requests admitted and waiting or running
+
+
+@dataclass(frozen=True)
 class Decision:
-    arm: int
+    arm: Hashable
     explored: bool
     warmup: bool
     epsilon: float
-    means: dict[int, float]
-    counts: dict[int, int]
+    means: dict
+    counts: dict
+    fallback: bool = False  # the drift guard held this request to plain generation
+    cell: tuple = ()  # the contextual policy's cell (empty: no context)
 
 
 class EpsilonGreedy:
@@ -65,7 +92,8 @@ class EpsilonGreedy:
         self.z = z
         self.counts = {a: 0 for a in self.arms}
         self.means = {a: 0.0 for a in self.arms}
-        self.m2 = {a: 0.0 for a in self.arms}  # sum of squared deviations (Welford)
+        self.m2 = {a: 0.0 for a in self.arms}  # weighted sum of squared deviations (Welford)
+        self.weights = {a: 0.0 for a in self.arms}  # sum of the rewards' weights
         self.t = 0  # decisions taken after warm-up
         self.warmup_issued = 0  # warm-up decisions handed out (rewards may still be pending)
         self._lock = threading.Lock()
@@ -82,18 +110,22 @@ class EpsilonGreedy:
         if self.explore == "uniform":
             return self.arms
         best = self.means[self.best_arm()]
+        # An arm with one reward borrows the spread of the others (pooled), so a warm-up of
+        # one pull per arm is enough to rule out a clearly slower arm.
+        dof = sum(n - 1 for n in self.counts.values() if n > 1)
+        pooled = math.sqrt(sum(map(self._ss, self.arms)) / dof) if dof else None
         out = []
         for a in self.arms:
             n = self.counts[a]
-            if n < 2:
+            if n == 0 or (n == 1 and pooled is None):
                 out.append(a)
                 continue
-            stderr = math.sqrt(self.m2[a] / (n - 1) / n)
+            stderr = math.sqrt(self._ss(a) / (n - 1) / n) if n > 1 else pooled
             if self.means[a] + self.z * stderr >= best:
                 out.append(a)
         return out
 
-    def choose(self) -> Decision:
+    def choose(self, context: Context | None = None) -> Decision:
         with self._lock:
             warm_total = self.warmup_pulls * len(self.arms)
             if self.warmup_issued < warm_total:
@@ -109,14 +141,37 @@ class EpsilonGreedy:
     def _decision(self, arm: int, explored: bool, warmup: bool, eps: float) -> Decision:
         return Decision(arm, explored, warmup, eps, dict(self.means), dict(self.counts))
 
-    def update(self, arm: int, reward: float) -> None:
+    def update(
+        self,
+        arm: Hashable,
+        reward: float,
+        context: Context | None = None,
+        acceptance: float | None = None,
+        weight: float = 1.0,
+    ) -> None:
+        """Record one reward (output tokens/s). `weight`: the request's latency makes an arm's
+        mean its total tokens over its total time (what the bench and the server deliver),
+        1.0 the mean of per-request rates. The context-free policies ignore `context` and
+        `acceptance` (the request's draft acceptance, None when nothing was proposed)."""
+        if weight <= 0:
+            raise ValueError(f"weight must be > 0, got {weight}")
         if arm not in self.counts:
             raise ValueError(f"unknown arm {arm}; arms are {self.arms}")
         with self._lock:
-            self.counts[arm] += 1
-            delta = reward - self.means[arm]
-            self.means[arm] += delta / self.counts[arm]
-            self.m2[arm] += delta * (reward - self.means[arm])
+            self._add(arm, reward, weight)
+
+    def _add(self, arm, reward: float, weight: float = 1.0) -> None:
+        """Weighted incremental mean and spread (West's weighted Welford)."""
+        self.counts[arm] += 1
+        self.weights[arm] += weight
+        delta = reward - self.means[arm]
+        self.means[arm] += delta * weight / self.weights[arm]
+        self.m2[arm] += weight * delta * (reward - self.means[arm])
+
+    def _ss(self, arm) -> float:
+        """The arm's sum of squared deviations in units of one reward (m2 with unit weights)."""
+        w = self.weights[arm]
+        return self.m2[arm] / w * self.counts[arm] if w > 0 else 0.0
 
     # --- persistence -------------------------------------------------------------------------
     def state(self) -> dict:
@@ -126,27 +181,201 @@ class EpsilonGreedy:
                 "counts": {str(a): n for a, n in self.counts.items()},
                 "means": {str(a): m for a, m in self.means.items()},
                 "m2": {str(a): v for a, v in self.m2.items()},
+                "weights": {str(a): v for a, v in self.weights.items()},
                 "t": self.t,
                 "warmup_issued": self.warmup_issued,
             }
 
     def load_state(self, state: dict) -> None:
         """Adopt a saved state; raises ValueError when it does not fit these arms."""
-        if sorted(state["arms"]) != sorted(self.arms):
+        key = {str(a): a for a in self.arms}  # saved keys are text; arms may be ids or ints
+        if sorted(map(str, state["arms"])) != sorted(key):
             raise ValueError(f"saved arms {state['arms']} differ from configured {self.arms}")
-        counts = {int(a): int(n) for a, n in state["counts"].items()}
-        means = {int(a): float(m) for a, m in state["means"].items()}
+        counts = {key[str(a)]: int(n) for a, n in state["counts"].items()}
+        means = {key[str(a)]: float(m) for a, m in state["means"].items()}
         if set(counts) != set(self.arms) or set(means) != set(self.arms):
             raise ValueError("saved counts/means do not cover the arms")
         if any(n < 0 for n in counts.values()) or int(state["t"]) < 0:
             raise ValueError("negative counts in saved state")
-        m2 = {int(a): float(v) for a, v in state.get("m2", {}).items()} or {
+        m2 = {key[str(a)]: float(v) for a, v in state.get("m2", {}).items()} or {
             a: 0.0 for a in self.arms
         }
+        weights = {key[str(a)]: float(v) for a, v in state.get("weights", {}).items()}
         with self._lock:
             self.counts, self.means, self.m2 = counts, means, {a: m2.get(a, 0.0) for a in self.arms}
+            self.weights = {a: weights.get(a, float(counts[a])) for a in self.arms}
             self.t = int(state["t"])
             self.warmup_issued = int(state.get("warmup_issued", sum(counts.values())))
+
+
+PROMPT_BUCKETS = (128, 256, 512)  # prompt tokens: <128, 128-255, 256-511, 512+
+LOAD_BUCKETS = (1, 4)  # other requests: 0, 1-3, 4+
+ACCEPTANCE_BUCKETS = (0.15, 0.35)  # a strategy's recent acceptance: low, mid, high
+
+
+def strategy_of(arm) -> str:
+    """The strategy part of an arm id: "draft:4" -> "draft"; 0 / "0" -> "" (no drafting)."""
+    text = str(arm)
+    return text.partition(":")[0] if ":" in text else ("" if text == "0" else "draft")
+
+
+class ContextualBandit(EpsilonGreedy):
+    """Plausible-exploration epsilon-greedy whose values depend on the context cell (module
+    docstring). `prior_weight` is w: how many in-cell rewards weigh as much as the global mean;
+    `acceptance_alpha` the weight of the latest request in a strategy's recent acceptance."""
+
+    def __init__(self, arms, rng, *args, prior_weight: float = 4.0, acceptance_alpha=0.3, **kw):
+        kw.setdefault("explore", "plausible")
+        super().__init__(arms, rng, *args, **kw)
+        self.prior_weight = prior_weight
+        self.acceptance_alpha = acceptance_alpha
+        self.recent_acceptance: dict[str, float] = {}  # strategy -> moving average
+        self.cells: dict[tuple, list[float]] = {}  # (arm, cell) -> [count, mean]
+
+    def cell(self, arm, context: Context | None) -> tuple:
+        if context is None:
+            return ()
+        acc = self.recent_acceptance.get(strategy_of(arm))
+        return (
+            bisect_right(PROMPT_BUCKETS, context.prompt_tokens),
+            bisect_right(LOAD_BUCKETS, context.queue_depth),
+            -1 if acc is None else bisect_right(ACCEPTANCE_BUCKETS, acc),
+        )
+
+    def value(self, arm, context: Context | None) -> float:
+        n, _, m = self.cells.get((arm, self.cell(arm, context)), (0, 0.0, 0.0))
+        w = self.prior_weight
+        return (n * m + w * self.means[arm]) / (n + w) if n else self.means[arm]
+
+    def choose(self, context: Context | None = None) -> Decision:
+        with self._lock:
+            warm_total = self.warmup_pulls * len(self.arms)
+            if self.warmup_issued < warm_total:
+                arm = self.arms[self.warmup_issued % len(self.arms)]
+                self.warmup_issued += 1
+                return self._decision(arm, True, True, 1.0, context)
+            eps = self.epsilon()
+            explored = self.rng.random() < eps
+            values = {a: self.value(a, context) for a in self.arms}
+            if explored:
+                arm = self.rng.choice(self.candidates())
+            else:
+                arm = max(self.arms, key=lambda a: (values[a], -self.arms.index(a)))
+            self.t += 1
+            return self._decision(arm, explored, False, eps, context, values)
+
+    def _decision(self, arm, explored, warmup, eps, context=None, values=None) -> Decision:
+        return Decision(
+            arm,
+            explored,
+            warmup,
+            eps,
+            dict(values or self.means),
+            dict(self.counts),
+            cell=self.cell(arm, context),
+        )
+
+    def update(self, arm, reward, context=None, acceptance=None, weight=1.0) -> None:
+        if arm not in self.counts:
+            raise ValueError(f"unknown arm {arm}; arms are {self.arms}")
+        with self._lock:
+            key = (arm, self.cell(arm, context))  # the cell the decision was taken in
+            self._add(arm, reward, weight)
+            if context is not None:
+                n, w, m = self.cells.get(key, (0, 0.0, 0.0))
+                self.cells[key] = [n + 1, w + weight, m + (reward - m) * weight / (w + weight)]
+            s = strategy_of(arm)
+            if s and acceptance is not None:
+                old = self.recent_acceptance.get(s, acceptance)
+                a = self.acceptance_alpha
+                self.recent_acceptance[s] = (1 - a) * old + a * acceptance
+
+    def state(self) -> dict:
+        out = super().state()
+        with self._lock:
+            out["cells"] = [[str(a), list(c), *v] for (a, c), v in self.cells.items()]
+            out["recent_acceptance"] = dict(self.recent_acceptance)
+        return out
+
+    def load_state(self, state: dict) -> None:
+        super().load_state(state)
+        key = {str(a): a for a in self.arms}
+        cells = {
+            (key[a], tuple(c)): [int(n), float(w), float(m)]
+            for a, c, n, w, m in state.get("cells", [])
+        }
+        acc = {str(s): float(v) for s, v in state.get("recent_acceptance", {}).items()}
+        with self._lock:
+            self.cells, self.recent_acceptance = cells, acc
+
+
+@dataclass
+class DriftGuard:
+    """Falls back to plain generation when speculation stops paying (module docstring).
+
+    `observe` takes every bandit request's outcome: plain (arm 0) rewards fill one window,
+    rewards of speculative arms the bandit chose to exploit fill the other. When the speculative
+    window holds `min_samples` and its mean is below the plain window's mean by more than
+    `margin` (a fraction), the guard falls back for `cooldown` requests (`hold()` is then True),
+    then clears the speculative window and lets the bandit probe: the next `min_samples`
+    exploited speculative requests either recover (event "recovered") or fall back again with
+    twice the cool-down (at most 8x). Thread-safe; events are returned to the caller."""
+
+    window: int = 8
+    margin: float = 0.2
+    cooldown: int = 10
+    min_samples: int = 3
+    spec: deque = field(default_factory=deque)
+    plain: deque = field(default_factory=deque)
+    remaining: int = 0  # requests left in the cool-down
+    fallbacks: int = 0
+    probing: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def active(self) -> bool:
+        return self.remaining > 0
+
+    def hold(self) -> bool:
+        """Whether this request must run plain (and counts one request of the cool-down)."""
+        with self._lock:
+            if self.remaining <= 0:
+                return False
+            self.remaining -= 1
+            if self.remaining == 0:
+                self.spec.clear()
+                self.probing = True
+            return True
+
+    def observe(self, plain: bool, exploited: bool, reward: float) -> dict | None:
+        """One bandit request's tokens/s. Returns an event dict ("fallback" or "recovered",
+        with both windows' means) when the state changed, else None."""
+        with self._lock:
+            if plain:
+                self._push(self.plain, reward)
+                return None
+            if not exploited or self.remaining > 0:
+                return None
+            self._push(self.spec, reward)
+            if len(self.spec) < self.min_samples or not self.plain:
+                return None
+            spec, base = statistics.fmean(self.spec), statistics.fmean(self.plain)
+            figures = {"speculative_tps": spec, "plain_tps": base, "margin": self.margin}
+            if spec < base * (1 - self.margin):
+                self.fallbacks += 1
+                self.remaining = self.cooldown * min(8, 2 ** (self.fallbacks - 1))
+                self.probing = False
+                self.spec.clear()
+                return {"event": "fallback", "cooldown_requests": self.remaining, **figures}
+            if self.probing:
+                self.probing, self.fallbacks = False, 0
+                return {"event": "recovered", **figures}
+            return None
+
+    def _push(self, window: deque, reward: float) -> None:
+        window.append(reward)
+        while len(window) > self.window:
+            window.popleft()
 
 
 def save_bandit(bandit: EpsilonGreedy, path: Path) -> None:

@@ -13,6 +13,11 @@ token when all k matched) is committed too. Both caches are then cropped to what
 committed token is the target's own greedy choice, so the output equals target-only greedy
 decoding for every k (arm 0 runs the same loop with no draft work at all).
 
+Draft strategies (`strategy`): "draft" (the draft model, as above) or "ngram" (prompt lookup,
+`NgramIndex`: the tokens that followed the latest earlier occurrence of the sequence's last n
+tokens; no model pass, no draft cache). A round with no n-gram match is a plain step. The target's
+verification is the same for both, so both are lossless.
+
 Two cost cutters, neither of which changes a committed token:
   - static caches (`static_len`): both caches are preallocated once per engine; a rejected
     guess moves the cache position back (stale entries are masked and later overwritten). With
@@ -45,7 +50,7 @@ SKINNY_MAX_ROWS = 8
 @dataclass
 class GenerationResult:
     token_ids: list[int]
-    arm: int
+    arm: str  # the arm's id: "0", "draft:K", "ngram:K" (arms.Arm)
     finish_reason: str  # "stop" (end-of-turn token or caller's stop) | "length"
     latency_s: float
     draft_s: float
@@ -71,6 +76,34 @@ class GenerationResult:
         return self.accepted / self.proposed if self.proposed else None
 
 
+class NgramIndex:
+    """Prompt lookup over a growing sequence. For every n-gram (n = 1..max_n) that has a token
+    after it, the position of that token in its latest occurrence; `propose` looks up the
+    sequence's last n tokens, longest n first. Updated incrementally (`extend`), so a round
+    costs O(new tokens), not O(sequence)."""
+
+    def __init__(self, max_n: int = 3):
+        self.max_n = max_n
+        self.follower: dict[tuple[int, ...], int] = {}
+        self.indexed = 1  # positions p < indexed have been registered as followers
+
+    def extend(self, seq: list[int]) -> None:
+        for p in range(self.indexed, len(seq)):
+            for n in range(1, min(self.max_n, p) + 1):
+                self.follower[tuple(seq[p - n : p])] = p
+        self.indexed = max(self.indexed, len(seq))
+
+    def propose(self, seq: list[int], k: int) -> list[int]:
+        """Up to k tokens after the latest earlier occurrence of seq's last n tokens (n from
+        max_n down to 1); [] when none of them occurred before."""
+        self.extend(seq)
+        for n in range(min(self.max_n, len(seq) - 1), 0, -1):
+            p = self.follower.get(tuple(seq[-n:]))
+            if p is not None:
+                return seq[p : p + k]
+        return []
+
+
 @dataclass
 class _State:
     """One generation's running state: `seq` = prompt + committed output, the two caches, and
@@ -81,6 +114,7 @@ class _State:
     d_cache: DynamicCache | StaticCache | None
     proposed_pos: list[int]
     accepted_pos: list[int]
+    ngram: NgramIndex | None = None  # the n-gram strategy's index (None: the draft model)
     out: list[int] = field(default_factory=list)
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -328,23 +362,29 @@ class SpeculativeEngine:
         max_new_tokens: int,
         on_tokens: Callable[[list[int]], None] | None = None,
         should_stop: Callable[[list[int]], bool] | None = None,
+        strategy: str = "draft",
     ) -> GenerationResult:
-        """Generate greedily with arm k (0 = target only). `on_tokens` sees each round's new
-        tokens; `should_stop(output_so_far)` ends generation early (stop strings, disconnects)."""
+        """Generate greedily with k guesses per round (0 = target only) from `strategy` ("draft":
+        the draft model; "ngram": prompt lookup). `on_tokens` sees each round's new tokens;
+        `should_stop(output_so_far)` ends generation early (stop strings, disconnects)."""
         if k < 0:
             raise ValueError("k must be >= 0")
-        if k > 0 and self.draft is None:
-            raise ValueError(f"arm {k} needs a draft model; this engine has none")
+        if strategy not in ("draft", "ngram"):
+            raise ValueError(f"unknown draft strategy {strategy!r}: draft or ngram")
+        use_draft = k > 0 and strategy == "draft"
+        if use_draft and self.draft is None:
+            raise ValueError(f"arm draft:{k} needs a draft model; this engine has none")
         if not prompt_ids:
             raise ValueError("empty prompt")
         start = time.perf_counter()
-        t_cache, d_cache = self._new_caches(with_draft=k > 0)
+        t_cache, d_cache = self._new_caches(with_draft=use_draft)
         st = _State(
             seq=list(prompt_ids),
             t_cache=t_cache,
             d_cache=d_cache,
             proposed_pos=[0] * k,
             accepted_pos=[0] * k,
+            ngram=NgramIndex() if k > 0 and strategy == "ngram" else None,
         )
         n_prompt = len(st.seq)
         t0 = time.perf_counter()
@@ -371,7 +411,7 @@ class SpeculativeEngine:
 
         return GenerationResult(
             token_ids=st.out,
-            arm=k,
+            arm="0" if k == 0 else f"{strategy}:{k}",
             finish_reason=finish,
             latency_s=time.perf_counter() - start,
             draft_s=st.draft_s,
@@ -386,11 +426,17 @@ class SpeculativeEngine:
         )
 
     def speculative_round(self, st: _State, k: int) -> tuple[list[int], bool]:
-        """One round: the draft proposes k tokens, the target scores [last, d1..dk] in one pass,
-        the longest agreeing prefix plus the target's own next token is committed, and both
-        caches are cut back to what is valid. Returns (committed tokens, hit end-of-turn)."""
+        """One round: the draft (or the n-gram index) proposes up to k tokens, the target scores
+        [last, d1..dk] in one pass, the longest agreeing prefix plus the target's own next token
+        is committed, and the caches are cut back to what is valid. Returns (committed tokens,
+        hit end-of-turn)."""
         drafts: list[int] = []
-        if k > 0:
+        if k > 0 and st.ngram is not None:
+            t0 = time.perf_counter()
+            drafts = st.ngram.propose(st.seq, k)
+            k = len(drafts)  # no match: a plain step
+            st.draft_s += time.perf_counter() - t0
+        elif k > 0:
             t0 = time.perf_counter()
             feed = st.seq[int(st.d_cache.get_seq_length()) :]  # the draft catches up first
             for _ in range(k):
@@ -576,7 +622,7 @@ class TargetBatch:
                 row.key,
                 GenerationResult(
                     token_ids=row.out,
-                    arm=0,
+                    arm="0",
                     finish_reason=reason,
                     latency_s=now - row.start,
                     draft_s=0.0,
