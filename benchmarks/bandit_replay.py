@@ -1,7 +1,8 @@
 """Replay a bench run through the bandit policies, over many bandit seeds, without the models.
 
     .venv/bin/python benchmarks/bandit_replay.py artifacts/perf/bench/results.json [--seeds 200]
-        [--draft distilled] [--config configs/default.yaml] [--out replay.json]
+        [--draft distilled] [--config configs/default.yaml] [--arms 0 draft:2 ngram:2]
+        [--out replay.json]
 
 A bench run with every arm as a fixed mode (as `make perf` runs it) measured each arm's latency,
 output tokens and acceptance on every prompt. Here a fresh bandit of each policy (seed:
@@ -105,11 +106,14 @@ def main() -> None:
     ap.add_argument("--config", default="configs/default.yaml")
     ap.add_argument("--seeds", type=int, default=200)
     ap.add_argument("--out", help="also write the summary as JSON here")
+    ap.add_argument(
+        "--arms", nargs="+", help="replay these arms (default: the bench's bandit arms)"
+    )
     args = ap.parse_args()
     results = json.loads(Path(args.results).read_text())
     cfg = load_config(args.config)
     table = load_table(results, args.draft)
-    wanted = canonical(results["protocol"]["bandit_arms"])
+    wanted = canonical(args.arms or results["protocol"]["bandit_arms"])
     missing = [a for a in wanted if a not in table]
     if missing:
         sys.exit(f"no single-arm run for arms {missing} in {args.results}: bench every arm first")

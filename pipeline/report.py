@@ -126,6 +126,7 @@ def bandit_summary(records: list[dict], draft: str, mode: str = "bandit") -> dic
         if post and best_arm is not None
         else None,
         "arms_in_order": [r["arm"] for r in bandit],
+        "fallback_requests": sum(bool(r.get("fallback")) for r in bandit),
     }
 
 
@@ -152,7 +153,12 @@ def _bandit_lines(title: str, b: dict) -> list[str]:
         f"- Post-warm-up tokens/s {_fmt(b['post_warmup_tokens_per_second'])} vs best single arm "
         f"(arm {b['best_single_arm']}, same prompts) {_fmt(best)}: ratio "
         f"**{_fmt(b['ratio_to_best_arm'])}x**; {_fmt(b['share_choosing_best_arm'], pct=True)} of "
-        "post-warm-up requests chose the best arm.",
+        "post-warm-up requests chose the best arm."
+        + (
+            f" The drift guard served {b['fallback_requests']} of them plain (fallback)."
+            if b.get("fallback_requests")
+            else ""
+        ),
         "",
     ]
 

@@ -264,3 +264,20 @@ def test_drift_guard_falls_back_cools_down_and_probes():
     g.observe(False, True, 15.0)
     assert g.observe(False, True, 15.0)["event"] == "recovered"
     assert g.observe(False, True, 15.0) is None  # recovered once, then quiet
+
+
+def test_latency_weighted_rewards_make_the_mean_tokens_over_time():
+    """Weighted by latency, an arm's mean is its total tokens over its total time (the bench's
+    figure), not the mean of per-request rates; the spread matches unit weights when equal."""
+    b = EpsilonGreedy(["a"], random.Random(0))
+    requests = [(10, 1.0), (30, 1.0), (20, 4.0)]  # (tokens, seconds)
+    for tokens, secs in requests:
+        b.update("a", tokens / secs, weight=secs)
+    assert b.means["a"] == pytest.approx(60 / 6.0)  # not (10 + 30 + 5) / 3
+    u, w = EpsilonGreedy(["a"], random.Random(0)), EpsilonGreedy(["a"], random.Random(0))
+    for r in (3.0, 5.0, 10.0):
+        u.update("a", r)
+        w.update("a", r, weight=2.5)
+    assert w.means == pytest.approx(u.means) and w._ss("a") == pytest.approx(u.m2["a"])
+    with pytest.raises(ValueError, match="weight"):
+        b.update("a", 1.0, weight=0)
