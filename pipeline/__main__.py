@@ -9,7 +9,9 @@ and the README. Every stage but serve holds <artifacts>/phoenix.lock while it ru
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import signal
 import sys
 
@@ -74,6 +76,7 @@ def run_stage(stage: str, cfg: Config, ws: Workspace, args: argparse.Namespace, 
             for s in DEMO_STAGES:
                 log.info("=== demo: %s ===", s)
                 run_stage(s, cfg, ws, args, telemetry)
+        print(next_steps(cfg, ws, args), flush=True)
         return
     text = dump_config(cfg)
     log.info("%s: resolved config:\n%s", stage, text.rstrip())
@@ -116,6 +119,38 @@ def run_stage(stage: str, cfg: Config, ws: Workspace, args: argparse.Namespace, 
                 drafts = None if args.draft == "both" else [args.draft]
                 figures.update(bench.run(cfg, ws, telemetry, drafts))
                 atomic_write_text(ws.bench / "config.yaml", text)
+
+
+def next_steps(cfg: Config, ws: Workspace, args: argparse.Namespace) -> str:
+    """What `make demo` prints last: serve the draft it built, ask it something, read the report."""
+    import shlex
+
+    make_vars = []
+    if args.config != "configs/default.yaml":
+        make_vars.append(f"CONFIG={shlex.quote(args.config)}")
+    if str(args.artifacts) != "artifacts":
+        make_vars.append(f"ARTIFACTS={shlex.quote(str(args.artifacts))}")
+    body = json.dumps(
+        {
+            "model": cfg.models.served_name or cfg.models.target,
+            "messages": [{"role": "user", "content": "Write a function to reverse a string."}],
+            "max_tokens": 64,
+        }
+    )
+    auth = ""
+    if os.environ.get(cfg.server.api_key_env):
+        auth = f' -H "Authorization: Bearer ${cfg.server.api_key_env}"'
+    url = f"http://{cfg.server.host}:{cfg.server.port}/v1/chat/completions"
+    return "\n".join(
+        [
+            "",
+            "Next:",
+            f"  make serve {' '.join(make_vars)}".rstrip()
+            + "    # serves the draft just built (server.draft: latest)",
+            f"  curl -s {url} -H 'Content-Type: application/json'{auth} -d '{body}'",
+            f"  report: {ws.bench / 'report.md'}",
+        ]
+    )
 
 
 def what_was_kept(stage: str, ws: Workspace) -> str:

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from . import models, report
 from .config import Config
+from .drafts import weights_id
 from .errors import InputError, VerificationError
 from .serving import ServingCore, fixed, make_bandit, make_guard, parse_mode
 from .speculative.arms import parse_arm
@@ -70,8 +71,12 @@ def environment(cfg: Config, device: str) -> dict[str, Any]:
 
 
 def prompt_ids(cfg: Config, tok, rows: list[dict]) -> list[list[int]]:
-    """The held-out prompts as the server renders them (`models.user_prompt_ids`)."""
-    return [models.user_prompt_ids(tok, r["prompt"], cfg.template_kwargs()) for r in rows]
+    """The held-out prompts as the server renders them (`models.user_prompt_ids`), or as they
+    were served (captured traffic keeps its rendered prompt's ids)."""
+    return [
+        r.get("prompt_token_ids") or models.user_prompt_ids(tok, r["prompt"], cfg.template_kwargs())
+        for r in rows
+    ]
 
 
 def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) -> dict[str, Any]:
@@ -92,6 +97,8 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
     mismatches, near_ties = check_lossless(records, target, ids, cfg.bench.lossless_margin)
     results = summarise(cfg, ws, drafts, records, mismatches, near_ties)
     results["engine"] = engine_summary(cfg, records, engines)
+    # Which weights each row measured: the server names a draft's acceptance only for these.
+    results["draft_weights"] = {d: engines[d]["weights"] for d in drafts}
     ws.bench.mkdir(parents=True, exist_ok=True)
     atomic_write_json(ws.bench_results, results)
     text = report.markdown(results)
@@ -143,6 +150,7 @@ def measure_all(
         engines[draft] = {
             "compiled": models.compile_engine(cfg, ws, pair.engine, cfg.bandit.arms),
             "head_ids": pair.engine.draft_head_ids,
+            "weights": weights_id(pair.draft_ref),
         }
         state = ws.bench / f"bandit-{draft}.json" if cfg.bench.bandit_state == "persist" else None
         core = core_of(pair, draft, state=state)

@@ -127,6 +127,18 @@ class ServerConfig(Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     mode: str = Field("bandit", description="target | fixed:K | bandit")
+    reload_poll_s: float = Field(
+        5.0,
+        ge=0,
+        description="server.draft=latest: check <artifacts>/current this often and swap in a "
+        "newly promoted draft (0: only on POST /admin/reload-draft).",
+    )
+    draft: str = Field(
+        "latest",
+        description="The draft served: latest (the promoted draft, else the newest verified "
+        "merged one, else the base draft with a warning), base (models.draft), or a registry "
+        "version (v0003), a directory or a Hub id.",
+    )
     queue_size: int = Field(32, ge=1, description="Requests waiting or running before 429.")
     max_batch: int = Field(
         16,
@@ -311,6 +323,30 @@ class RetrainConfig(Section):
         "the base draft's) by at least this much (absolute, 0.01 = one point).",
     )
     gate_mode: str = Field("fixed_4", description="Bench mode whose acceptance the gate compares.")
+    data: Literal["mbpp", "traffic"] = Field(
+        "mbpp",
+        description="mbpp: split + distill the MBPP prompts; traffic: the server's captured "
+        "traffic since the promoted run (no teacher calls), its newest records held out as the "
+        "gate's test set, training continued from the promoted draft.",
+    )
+    traffic_test_size: int = Field(
+        16, ge=1, description="traffic: the newest N distinct prompts: the gate's held-out slice."
+    )
+    traffic_min_records: int = Field(
+        32, ge=1, description="traffic: fewer new trainable records than this: nothing to do."
+    )
+
+
+class TrafficConfig(Section):
+    capture: bool = Field(
+        False,
+        description="Record served requests (token ids, mode, acceptance; never headers or "
+        "keys) as training data for retrain.data=traffic.",
+    )
+    folder: str | None = Field(None, description="Default <artifacts>/traffic.")
+    max_file_mb: float = Field(64.0, gt=0, description="Rotate a file at this size.")
+    max_files: int = Field(16, ge=1, description="Keep this many files; the oldest go.")
+    pause_s: float = Field(60.0, gt=0, description="After a failed write (disk full): pause.")
 
 
 class Config(Section):
@@ -327,6 +363,7 @@ class Config(Section):
     publish: PublishConfig = Field(default_factory=PublishConfig)
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
     retrain: RetrainConfig = Field(default_factory=RetrainConfig)
+    traffic: TrafficConfig = Field(default_factory=TrafficConfig)
 
     def template_kwargs(self) -> dict[str, Any]:
         """Chat-template switches for every prompt Phoenix renders (Qwen3's enable_thinking)."""

@@ -27,11 +27,14 @@ log = logging.getLogger(__name__)
 
 def verification_inputs(cfg: Config, ws: Workspace, tok) -> list[list[int]]:
     rows = read_jsonl(ws.test_file) if ws.test_file.exists() else []
-    texts = [r["prompt"] for r in rows[: cfg.merge.verify_prompts]] or [
-        "Write a function to add two numbers."
+    rows = rows[: cfg.merge.verify_prompts] or [{"prompt": "Write a function to add two numbers."}]
+    return [
+        (
+            r.get("prompt_token_ids")
+            or models.user_prompt_ids(tok, r["prompt"], cfg.template_kwargs())
+        )[-256:]
+        for r in rows
     ]
-    out = [models.user_prompt_ids(tok, text, cfg.template_kwargs())[-256:] for text in texts]
-    return out
 
 
 def logits_of(model, prompts: list[list[int]]):

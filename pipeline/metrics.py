@@ -52,6 +52,24 @@ class Metrics:
             "1 while the drift guard holds bandit requests to plain generation.",
             registry=r,
         ).set_function(fallback_active)
+        self.draft_info = Gauge(
+            "phoenix:draft_info",
+            "1 for the draft version served now (label version; source: promoted, merged, ...).",
+            ["version", "source"],
+            registry=r,
+        )
+        self.draft_reloads = Counter(
+            "phoenix:draft_reloads",
+            "Draft hot swaps, by outcome (ok, failed).",
+            ["outcome"],
+            registry=r,
+        )
+        self.traffic = Counter(
+            "phoenix:traffic_records",
+            "Served requests for traffic capture: captured, dropped (capture paused), opted_out.",
+            ["outcome"],
+            registry=r,
+        )
         self.generation_tokens = Counter(
             "phoenix:generation_tokens", "Tokens generated for clients.", registry=r
         )
@@ -86,6 +104,11 @@ class Metrics:
         Gauge("phoenix:num_requests_running", "Requests generating.", registry=r).set_function(
             running
         )
+
+    def set_draft(self, version: str | None, source: str | None) -> None:
+        self.draft_info.clear()
+        if version is not None:
+            self.draft_info.labels(version=version, source=source or "").set(1)
 
     def record(self, res, wall_s: float) -> None:
         """One finished request: `res` is its CoreResult, `wall_s` admission to the end (the

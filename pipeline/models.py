@@ -389,15 +389,21 @@ class Pair:
 TOKEN_COUNTS = "token_counts.json"  # beside a trained draft: its training answers' token counts
 
 
-def write_token_counts(path: Path, rows: list[dict]) -> dict[str, Any]:
+def write_token_counts(
+    path: Path, rows: list[dict], start_from: Path | None = None
+) -> dict[str, Any]:
     """Count the completion tokens of pre-tokenised training rows (`input_ids` +
-    `completion_mask`) and write them, most frequent first, to `path`."""
+    `completion_mask`) and write them, most frequent first, to `path`. `start_from`: a draft
+    directory whose counts are added (training continued from it keeps its vocabulary)."""
     import json
     from collections import Counter
 
     counts = Counter(
         t for r in rows for t, m in zip(r["input_ids"], r["completion_mask"], strict=True) if m
     )
+    earlier = Path(start_from) / TOKEN_COUNTS if start_from else None
+    if earlier is not None and earlier.is_file():
+        counts.update(dict(map(tuple, json.loads(earlier.read_text())["counts"])))
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
     data = {"tokens": sum(counts.values()), "counts": [[t, n] for t, n in ranked]}
     path.write_text(json.dumps(data) + "\n")

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import publish
+from . import publish, traffic
 from .config import Config
 from .errors import GateRejected, InputError
 from .workspace import Workspace, atomic_write_json, content_hash, new_run_id, sha256_file
@@ -41,6 +41,8 @@ STAGE_INPUTS: dict[str, tuple[list[str], list[str]]] = {
     "merge": (["adapter/metrics.json", "adapter/model"], ["merge", "models", "train"]),
     "bench": (["merged", "data/test.jsonl"], ["bench", "bandit", "models"]),
 }
+TRAFFIC_SINCE = "traffic-since.txt"  # retrain.data=traffic: the watermark a run started from
+
 STAGE_OUTPUTS = {
     "split": ["data/train.jsonl", "data/test.jsonl", "data/manifest.json"],
     "distill": ["teacher/answers.jsonl", "teacher/summary.json"],
@@ -61,7 +63,12 @@ def stage_manifest(stage: str, cfg: Config, ws: Workspace, with_outputs: bool) -
     files, sections = STAGE_INPUTS[stage]
     resolved = cfg.resolved()
     inputs = {f: path_hash(ws.root / f) for f in files}
-    if stage == "split":
+    if stage == "split" and cfg.retrain.data == "traffic":
+        # The run's data is the traffic after the promoted run's watermark, fixed at its split:
+        # traffic captured while a crashed run waits does not change what it resumes.
+        sections = ["retrain", "traffic"]
+        inputs["traffic_since"] = ws.root.joinpath(TRAFFIC_SINCE).read_text().strip()
+    elif stage == "split":
         from .split import load_source
 
         inputs["source"] = load_source(cfg)[2]
@@ -117,6 +124,12 @@ def run(cfg: Config, root: Path, telemetry, resume: str | None = None) -> dict[s
 
     root = Path(root)
     run_id, resuming = pick_run(root, resume)
+    if cfg.retrain.data == "traffic" and not resuming:
+        ok, why = enough_traffic(cfg, root)
+        if not ok:
+            log.info("retrain: nothing to do: %s", why)
+            return {"status": "nothing_to_do", "reason": why}
+        log.info("retrain on traffic: %s", why)
     with Workspace(root).lock("retrain", run_id):
         ws = Workspace(root / "runs" / run_id, cache=root / "cache")
         info_file = ws.root / "run.json"
@@ -137,13 +150,21 @@ def run(cfg: Config, root: Path, telemetry, resume: str | None = None) -> dict[s
         stage_cfg = cfg.model_copy(
             update={"publish": cfg.publish.model_copy(update={"target": "none"})}
         )
-        if current_run(root) is None and "base" not in cfg.bench.drafts:
+        on_traffic = cfg.retrain.data == "traffic"
+        if on_traffic:
+            since = online_start(cfg, root, ws)
+            stage_cfg = traffic_stage_config(stage_cfg, root)
+        elif current_run(root) is None and "base" not in cfg.bench.drafts:
             # The first run's gate compares with the base draft: bench it too.
             drafts = ["base", *cfg.bench.drafts]
             stage_cfg.bench = cfg.bench.model_copy(update={"drafts": drafts})
         steps = {
-            "split": lambda: split.run(stage_cfg, ws),
-            "distill": lambda: teacher.run(stage_cfg, ws),
+            "split": (lambda: traffic.split_stage(stage_cfg, ws, root, since))
+            if on_traffic
+            else (lambda: split.run(stage_cfg, ws)),
+            "distill": (lambda: traffic_answers(stage_cfg, ws))
+            if on_traffic
+            else (lambda: teacher.run(stage_cfg, ws)),
             "train": lambda: train.run(stage_cfg, ws),
             "merge": lambda: merge.run(stage_cfg, ws),
             "bench": lambda: bench.run(stage_cfg, ws, telemetry),
@@ -182,7 +203,16 @@ def promote_or_reject(cfg: Config, root: Path, ws: Workspace, run_id: str) -> di
     mode = cfg.retrain.gate_mode
     new = gate_metric(results, "distilled", mode)
     current = current_run(root)
-    if current is not None and current != run_id:
+    if cfg.retrain.data == "traffic":
+        # The bench's "base" is the promoted draft (or models.draft), measured on this run's
+        # held-out traffic: the gate compares both drafts on the same recent prompts.
+        old = gate_metric(results, "base", mode)
+        against = (
+            f"promoted run {current} on the held-out traffic"
+            if current
+            else "the base draft on the held-out traffic"
+        )
+    elif current is not None and current != run_id:
         old_results = json.loads(Workspace(root / "runs" / current).bench_results.read_text())
         old, against = gate_metric(old_results, "distilled", mode), f"promoted run {current}"
     else:
@@ -223,6 +253,55 @@ def promote_or_reject(cfg: Config, root: Path, ws: Workspace, run_id: str) -> di
     point_current(root, run_id)
     log.info("gate: %s; promoted run %s", decision["reason"], run_id)
     return decision
+
+
+def online_start(cfg: Config, root: Path, ws: Workspace) -> float:
+    """retrain.data=traffic: the watermark this run starts from (the promoted run's newest
+    traffic; 0 before any), fixed in the run's folder at its start."""
+    marker = ws.root / TRAFFIC_SINCE
+    if marker.is_file():
+        return float(marker.read_text())
+    current = current_run(root)
+    since = traffic.watermark(root / "runs" / current) if current else 0.0
+    ws.root.mkdir(parents=True, exist_ok=True)
+    marker.write_text(f"{since!r}\n")
+    return since
+
+
+def traffic_stage_config(cfg: Config, root: Path) -> Config:
+    """retrain.data=traffic: train on from the promoted draft (its real path, so a later
+    promotion does not change this run's inputs), and bench it as "base" beside the new one."""
+    current = current_run(root)
+    update: dict[str, Any] = {
+        "bench": cfg.bench.model_copy(update={"drafts": ["base", "distilled"]})
+    }
+    if current is not None:
+        promoted = (root / "runs" / current / "merged").resolve()
+        update["models"] = cfg.models.model_copy(update={"draft": str(promoted)})
+    return cfg.model_copy(update=update)
+
+
+def traffic_answers(cfg: Config, ws: Workspace) -> dict[str, Any]:
+    from . import models
+
+    tok = models.load_tokenizer(models.resolve(cfg.models.target, ws.models_cache))
+    return traffic.answers_stage(cfg, ws, tok)
+
+
+def enough_traffic(cfg: Config, root: Path) -> tuple[bool, str]:
+    """Whether a traffic run has something to learn (before a run folder is made)."""
+    current = current_run(root)
+    since = traffic.watermark(root / "runs" / current) if current else 0.0
+    folder = traffic.traffic_folder(cfg, root)
+    records, skipped = traffic.read_traffic(folder)
+    r = cfg.retrain
+    train, test = traffic.select(records, since, r.traffic_test_size)
+    ok = len(train) >= r.traffic_min_records and len(test) > 0
+    return ok, (
+        f"{len(train)} new trainable record(s) and {len(test)} to hold out under {folder} "
+        f"since {'run ' + current if current else 'the start'} ({skipped} bad line(s) skipped); "
+        f"retrain.traffic_min_records is {r.traffic_min_records}"
+    )
 
 
 def current_run(root: Path) -> str | None:

@@ -33,10 +33,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from . import models
+from . import models, traffic
+from .errors import ConfigError
 from .metrics import Metrics
+from .reload import DraftReloader
 from .serving import Cancelled, CoreResult, ModeError, ServingCore, build_core
 from .telemetry import NullTelemetry, setup_telemetry
+from .traffic import TrafficLog
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +84,8 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 class PhoenixOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     mode: str | None = None
+    token_ids: bool = False  # the output's token ids in the response (distillation wants them)
+    capture: bool = True  # false: this request is not recorded as traffic (traffic.capture)
 
 
 class Message(BaseModel):
@@ -186,6 +191,9 @@ class ServerState:
     closing: bool = False  # shutting down: admit nothing new
     jobs: set[Job] = field(default_factory=set)
     jobs_lock: threading.Lock = field(default_factory=threading.Lock)
+    traffic: TrafficLog | None = None  # traffic.capture
+    reloader: DraftReloader | None = None  # hot swap of the draft
+    stopping: threading.Event = field(default_factory=threading.Event)  # ends the watcher
 
 
 class Job:
@@ -307,10 +315,26 @@ async def metrics(request: Request):
 @router.get("/v1/models")
 async def list_models(request: Request):
     core = _ready_core(_state(request))
-    return {
-        "object": "list",
-        "data": [{"id": core.model_id, "object": "model", "created": 0, "owned_by": "phoenix"}],
-    }
+    entry = {"id": core.model_id, "object": "model", "created": 0, "owned_by": "phoenix"}
+    entry["metadata"] = {"target": core.target_spec, "draft": core.draft_info}
+    return {"object": "list", "data": [entry]}
+
+
+@router.post("/admin/reload-draft")
+async def reload_draft(request: Request):
+    """Swap in the draft `server.draft` names now (the newly promoted one, with `latest`).
+    Behind the API key when one is set. 200 with what happened; 500 when the new draft failed
+    to load (the old one keeps serving)."""
+    st = _state(request)
+    _ready_core(st)
+    if st.reloader is None:
+        raise bad_request("this server runs without a draft: nothing to reload")
+    out = await asyncio.to_thread(st.reloader.reload, "POST /admin/reload-draft")
+    if "error" in out:
+        return APIError(
+            500, f"draft reload failed: {out['error']}", "server_error", None, "draft_reload_failed"
+        ).response()
+    return out
 
 
 @router.post("/v1/chat/completions")
@@ -404,16 +428,25 @@ async def _complete(request: Request, req: CommonRequest, prompt_ids: list[int],
 
     admitted = time.monotonic()
 
+    capture = req.phoenix.capture if req.phoenix else True
+
     def work(on_text, cancel) -> CoreResult:
         with st.telemetry.request(mode, core.draft_id) as rec:
             res = core.generate(prompt_ids, max_tokens, mode, req.stop, on_text, cancel)
             rec.record(res)
         st.metrics.record(res, time.monotonic() - admitted)
+        if st.traffic is not None and res.finish_reason != "abort":  # a client that left: no
+            if not capture:
+                st.metrics.traffic.labels(outcome="opted_out").inc()
+            elif st.traffic.append(traffic.record_of(res, prompt_ids, kind, res.draft)):
+                st.metrics.traffic.labels(outcome="captured").inc()
+            else:
+                st.metrics.traffic.labels(outcome="dropped").inc()
         return res
 
     job = Job(st, asyncio.get_running_loop(), work, streaming=req.stream)
     job.start(request)
-    reply = Reply(core.model_id, kind, len(prompt_ids))
+    reply = Reply(core.model_id, kind, len(prompt_ids), bool(req.phoenix and req.phoenix.token_ids))
     if req.stream:
         include_usage = bool((req.stream_options or {}).get("include_usage"))
         return StreamingResponse(
@@ -471,6 +504,7 @@ class Reply:
     model: str
     kind: str  # "chat" | "text"
     n_prompt: int
+    token_ids: bool = False  # asked for with phoenix.token_ids
     id: str = ""
     created: int = 0
 
@@ -524,7 +558,7 @@ class Reply:
                 "logprobs": None,
             }
         ph = phoenix_of(res)
-        if not res.stopped_by_string:  # the exact ids, for distillation on the teacher's tokens
+        if self.token_ids and not res.stopped_by_string:  # the exact ids, for distillation
             ph["token_ids"] = res.result.token_ids
         return self.envelope([choice], chunk=False, usage=usage_of(res, self.n_prompt), phoenix=ph)
 
@@ -537,8 +571,13 @@ def create_app(
     telemetry=None,
     stuck_after_s: float = 60.0,
     shutdown_timeout_s: float = 10.0,
+    traffic_log: TrafficLog | None = None,
+    reloader: Callable[[Callable[[], ServingCore | None], Metrics], DraftReloader] | None = None,
+    reload_poll_s: float = 0.0,
 ) -> FastAPI:
-    """`load_core` runs in a background thread at start-up; /health says 503 until it is done."""
+    """`load_core` runs in a background thread at start-up; /health says 503 until it is done.
+    `traffic_log`: capture served requests. `reloader(get_core, metrics)`: hot swaps of the
+    draft (POST /admin/reload-draft), polling every `reload_poll_s` when > 0."""
     st = ServerState(
         telemetry=telemetry or NullTelemetry(),
         admission=Admission(queue_size),
@@ -555,9 +594,19 @@ def create_app(
         ),
     )
 
+    st.traffic = traffic_log
+    if reloader is not None:
+        st.reloader = reloader(lambda: st.core, st.metrics)
+
     def load() -> None:
         try:
-            st.core = load_core()
+            core = load_core()
+            st.metrics.set_draft(core.draft_id, (core.draft_info or {}).get("source"))
+            if st.reloader is not None and core.pair is not None and core.pair.draft_ref is None:
+                st.reloader = None  # a target-only server: no draft to swap
+            st.core = core
+            if st.reloader is not None and reload_poll_s > 0:
+                st.reloader.watch(reload_poll_s, st.stopping)
             log.info("models loaded; ready")
         except Exception as exc:  # reported by /health; the process stays up to say so
             log.exception("model loading failed")
@@ -570,6 +619,7 @@ def create_app(
         # Shutdown: uvicorn has stopped accepting and waited (up to the deadline) for running
         # requests; whatever still generates is cancelled and gets a moment to end its round.
         st.closing = True
+        st.stopping.set()
         with st.jobs_lock:
             jobs = list(st.jobs)
         for job in jobs:
@@ -577,6 +627,8 @@ def create_app(
         deadline = time.monotonic() + 1.0
         for job in jobs:
             job.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if st.traffic is not None:
+            st.traffic.close()
         st.telemetry.flush()
 
     app = FastAPI(title="Phoenix speculative server", lifespan=lifespan)
@@ -648,12 +700,52 @@ def phoenix_of(res: CoreResult) -> dict:
 
 
 def serve(cfg, ws, host: str | None, port: int | None, mode: str | None) -> None:
+    app = build_app(cfg, ws, mode)
+    host = host or cfg.server.host
+    port = cfg.server.port if port is None else port
+    log.info("listening on http://%s:%d", host, port)
+    run_server(app, host, port)
+
+
+def build_app(cfg, ws, mode: str | None = None) -> FastAPI:
+    """The app `serve` runs: the draft resolved (`server.draft`) and checked now, so a missing
+    or unloadable one exits 2 before anything listens; models load in the background."""
+    from .drafts import resolve_served
+
     mode = mode or cfg.server.mode
-    if mode != "target" and cfg.engine.draft_vocab:
-        models.counts_file(cfg, ws, cfg.models.draft)  # exit 2 now, not a 503 after loading
+    served, as_configured = None, cfg  # a reload loads the next draft as configured
+    if mode != "target":
+        served = resolve_served(cfg, ws)
+        if cfg.engine.draft_vocab:
+            try:
+                models.counts_file(cfg, ws, served.spec)  # exit 2 now, not a 503 after loading
+            except ConfigError:
+                if served.source != "base":
+                    raise
+                log.warning(
+                    "engine.draft_vocab: no token counts yet (train records them): the base "
+                    "draft proposes over the full vocabulary"
+                )
+                cfg = cfg.model_copy(
+                    update={"engine": cfg.engine.model_copy(update={"draft_vocab": 0})}
+                )
+    log.info(
+        "serving target %s with %s (mode %s)",
+        cfg.models.target,
+        f"draft {served.sentence()}" if served else "no draft",
+        mode,
+    )
     telemetry = setup_telemetry(cfg, component="server")
-    app = create_app(
-        lambda: build_core(cfg, ws, mode=mode),
+    poll = cfg.server.reload_poll_s if cfg.server.draft.strip() == "latest" else 0.0
+    return create_app(
+        lambda: build_core(cfg, ws, mode=mode, served=served),
+        traffic_log=traffic.open_log(cfg, ws),
+        reloader=(
+            lambda get_core, metrics: DraftReloader(as_configured, ws, get_core, telemetry, metrics)
+        )
+        if served is not None
+        else None,
+        reload_poll_s=poll,
         queue_size=cfg.server.queue_size,
         api_key_env=cfg.server.api_key_env,
         max_tokens_limit=cfg.server.max_tokens_limit,
@@ -661,10 +753,6 @@ def serve(cfg, ws, host: str | None, port: int | None, mode: str | None) -> None
         stuck_after_s=cfg.server.stuck_after_s,
         shutdown_timeout_s=cfg.server.shutdown_timeout_s,
     )
-    host = host or cfg.server.host
-    port = cfg.server.port if port is None else port
-    log.info("serving %s (mode %s) on http://%s:%d", cfg.models.target, mode, host, port)
-    run_server(app, host, port)
 
 
 def run_server(app: FastAPI, host: str, port: int) -> None:

@@ -172,6 +172,7 @@ class CoreResult:
     decision: Decision | None
     stopped_by_string: bool = False
     guard_event: dict | None = None  # the drift guard fell back or recovered after this request
+    draft: str | None = None  # the draft version that served it (draft_id at generation time)
 
 
 @dataclass(eq=False)
@@ -320,14 +321,21 @@ class ServingCore:
         state_file: Path | None = None,
         max_batch: int = 1,
         guard: DriftGuard | None = None,
+        draft_info: dict | None = None,
+        target_spec: str | None = None,
     ):
         """`guard`: fall back to plain generation when speculation stops paying (bandit
-        requests only; needs arm 0 among the bandit's arms)."""
+        requests only; needs arm 0 among the bandit's arms). `draft_info`: what /v1/models says
+        of the draft (drafts.ServedDraft.describe())."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.bandit = bandit
         self.model_id = model_id
         self.draft_id = draft_id
+        self.draft_info = draft_info
+        self.draft_epoch = 0  # bumped by each swap_draft
+        self.pair: models.Pair | None = None  # what build_core loaded (a swap shares its target)
+        self.target_spec = target_spec or model_id
         self.has_draft = engine.draft is not None
         if not self.has_draft and any(parse_arm(a).needs_draft for a in bandit.arms):
             raise ValueError(f"bandit arms {bandit.arms} include draft arms, and there is no draft")
@@ -403,6 +411,11 @@ class ServingCore:
         """The bandit's arm for a request, unless the drift guard holds it to plain generation."""
         if self.guard is not None and self.guard.hold():
             return Decision(self.plain_arm, False, False, 0.0, {}, {}, fallback=True)
+        if self.guard is not None and self.guard.probe():
+            means = dict(self.bandit.means)
+            spec = [a for a in self.bandit.arms if a != self.plain_arm]
+            arm = max(spec, key=lambda a: (means[a], -self.bandit.arms.index(a)))
+            return Decision(arm, False, False, 0.0, means, dict(self.bandit.counts), probe=True)
         return self.bandit.choose(context)
 
     def _generate(self, prompt_ids, max_tokens, mode, stop, on_text, cancel) -> CoreResult:
@@ -418,11 +431,13 @@ class ServingCore:
                 on_text(delta)
             return tracker.stopped or (cancel is not None and cancel.is_set())
 
+        draft_id, epoch = self.draft_id, self.draft_epoch
         if self.batcher is not None and arm.k == 0 and not tracker.stops and on_text is None:
             result = self.batcher.submit(prompt_ids, max_tokens, cancel)
         else:
             self._acquire(cancel)
             self._in_engine = True
+            draft_id, epoch = self.draft_id, self.draft_epoch  # what this generation runs
             try:
                 result = self.engine.generate(
                     prompt_ids,
@@ -443,7 +458,9 @@ class ServingCore:
         # vLLM's name for a request whose client left: not a success, not a stop string.
         finish = "abort" if cancelled else ("stop" if tracker.stopped else result.finish_reason)
         event = None
-        if decision is not None and not cancelled:
+        # A reward earned by a draft swapped out since is not the new draft's: dropped.
+        stale = arm.needs_draft and epoch != self.draft_epoch
+        if decision is not None and not cancelled and not stale:
             tps = result.tokens_per_second
             # Weighted by latency: an arm's mean is its tokens over its time, as the bench counts.
             weight = max(result.latency_s, 1e-6)
@@ -466,7 +483,36 @@ class ServingCore:
                     if event["event"] == "fallback"
                     else "; the bandit drafts again",
                 )
-        return CoreResult(tracker.text, finish, mode, result, decision, tracker.stopped, event)
+        return CoreResult(
+            tracker.text, finish, mode, result, decision, tracker.stopped, event, draft_id
+        )
+
+    def swap_draft(
+        self, engine: SpeculativeEngine, draft_id: str, draft_info: dict, prepare=None
+    ) -> float:
+        """Serve `engine` (same target, a new draft) from the next request on: taken between
+        requests (the generation lock), so a running generation finishes on the old draft.
+        `prepare(engine)` runs under the lock first (compiling and warming the new draft's
+        steps share the target's static cache). The draft arms' statistics start over; the
+        drift guard forgets its speculative window. Returns the seconds generation waited."""
+        self._acquire(None)
+        t0 = time.perf_counter()
+        try:
+            if prepare is not None:
+                prepare(engine)
+            self.engine = engine
+            if self.batcher is not None:
+                self.batcher.engine = engine  # same target; a running batch finishes as it is
+            self.draft_id, self.draft_info = draft_id, draft_info
+            self.draft_epoch += 1
+            self.bandit.forget([a for a in self.bandit.arms if parse_arm(a).needs_draft])
+            if self.guard is not None:
+                self.guard.reset_speculative()
+            if self.state_file is not None:
+                save_bandit(self.bandit, self.state_file)
+        finally:
+            self.lock.release()
+        return time.perf_counter() - t0
 
     def _acquire(self, cancel: threading.Event | None, poll_s: float = 0.05) -> None:
         """Take the generation lock; give up with `Cancelled` if the caller cancels meanwhile."""
@@ -477,26 +523,35 @@ class ServingCore:
                 return
 
 
-def build_core(cfg, ws, mode: str | None = None) -> ServingCore:
-    """Load models per config and build the core. Target-only mode skips loading the draft."""
+def build_core(cfg, ws, mode: str | None = None, served=None) -> ServingCore:
+    """Load models per config and build the core. Target-only mode skips loading the draft.
+    `served`: the draft (drafts.ServedDraft); default: `server.draft` resolved now."""
+    from .drafts import resolve_served
+
     mode = mode or cfg.server.mode
-    pair = models.load_pair(cfg, ws, None if mode == "target" else cfg.models.draft)
+    if mode != "target" and served is None:
+        served = resolve_served(cfg, ws)
+    pair = models.load_pair(cfg, ws, None if mode == "target" else served.spec)
     has_draft = pair.draft_ref is not None
     bandit = make_bandit(cfg, has_draft)
     # A target-only server (the local teacher) compiles the one-token step alone; an ngram:K
     # request there verifies eagerly.
     models.compile_engine(cfg, ws, pair.engine, ["0"] if mode == "target" else bandit.arms)
-    return ServingCore(
+    core = ServingCore(
         pair.engine,
         pair.tokenizer,
         bandit,
         model_id=cfg.models.served_name or cfg.models.target,
-        draft_id=cfg.models.draft if pair.draft_ref else None,
+        draft_id=served.label if has_draft else None,
+        draft_info=served.describe() if has_draft else None,
+        target_spec=cfg.models.target,
         default_mode=mode,
         state_file=ws.state / "bandit.json",
         max_batch=cfg.server.max_batch,
         guard=make_guard(cfg),
     )
+    core.pair = pair
+    return core
 
 
 def make_bandit(cfg, has_draft: bool = True) -> EpsilonGreedy:

@@ -319,7 +319,11 @@ def local_teacher(cfg: Config, ws: Workspace) -> Iterator[str]:
     cfg_file = ws.teacher / ".local-teacher.yaml"
     # Its answers run in padded batches, which stay eager: compiling would only cost start-up.
     eager = cfg.engine.model_copy(update={"compile": "false", "draft_vocab": 0})
-    atomic_write_text(cfg_file, dump_config(cfg.model_copy(update={"engine": eager})))
+    # Distillation's own requests are not served traffic: never captured.
+    quiet = cfg.traffic.model_copy(update={"capture": False})
+    atomic_write_text(
+        cfg_file, dump_config(cfg.model_copy(update={"engine": eager, "traffic": quiet}))
+    )
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != cfg.server.api_key_env}
     log_path = ws.teacher / "local-teacher.log"
@@ -495,6 +499,8 @@ def _answer_all(
     n_logprobs = cfg.requested_logprobs()
     if n_logprobs:
         extra.update(logprobs=True, top_logprobs=n_logprobs)
+    if t.url == "local":  # Phoenix's own server: the answer's exact token ids too
+        extra["phoenix"] = {"token_ids": True}
     ws.teacher.mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
     t0 = time.perf_counter()

@@ -46,6 +46,9 @@ class NullTelemetry:
     def stage(self, name: str) -> Iterator[dict[str, Any]]:
         yield {}
 
+    def event(self, message: str, level: str, tags: dict[str, str], exc=None) -> None:
+        """One event outside a request (a draft swapped in, a reload that failed)."""
+
     def flush(self) -> None:
         pass
 
@@ -73,6 +76,8 @@ class SentryRecorder(NullRecorder):
                 span.set_data("seconds", secs)
                 span.finish(end_timestamp=t0)
         tx.set_tag("arm", str(r.arm))
+        if getattr(res, "draft", None):  # the draft version that ran it (hot swaps change it)
+            tx.set_tag("draft_version", res.draft)
         data = {
             "latency_seconds": r.latency_s,
             "output_tokens": r.output_tokens,
@@ -155,6 +160,15 @@ class SentryTelemetry(NullTelemetry):
                 for key, value in figures.items():
                     if isinstance(value, (int, float, str, bool)) or value is None:
                         tx.set_data(key, value)
+
+    def event(self, message: str, level: str, tags: dict[str, str], exc=None) -> None:
+        with self.sdk.new_scope() as scope:
+            for key, value in tags.items():
+                scope.set_tag(key, value)
+            if exc is not None:
+                self.sdk.capture_exception(exc)
+            else:
+                self.sdk.capture_message(message, level=level)
 
     def flush(self) -> None:
         self.sdk.flush(timeout=self.shutdown_timeout_s)

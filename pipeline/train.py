@@ -54,7 +54,9 @@ def build_examples(
     id_map = distillation.token_id_map(tokenizer) if logprobs_width else None
     rows, sparse = [], {}
     for a in answers:
-        p_ids = models.user_prompt_ids(tokenizer, a["prompt"], template_kwargs)
+        p_ids = a.get("prompt_token_ids") or models.user_prompt_ids(
+            tokenizer, a["prompt"], template_kwargs
+        )  # captured traffic carries its rendered prompt
         c_ids = a.get("completion_token_ids")
         tops = None
         if logprobs_width:
@@ -326,7 +328,9 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
     try:
         trainer.model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        counted = models.write_token_counts(tmp / models.TOKEN_COUNTS, rows)  # draft_vocab's
+        counted = models.write_token_counts(  # draft_vocab's (plus the starting draft's own)
+            tmp / models.TOKEN_COUNTS, rows, start_from=Path(draft_ref)
+        )
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

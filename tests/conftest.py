@@ -168,12 +168,13 @@ def run_cli(
 def start_serve(
     art,
     env: dict | None = None,
-    mode: str = "bandit",
+    mode: str | None = "bandit",
     config: str = "configs/ci.yaml",
     timeout: float = 120,
     extra: list[str] | None = None,
 ):
-    """`python -m pipeline serve` on a free port; returns (process, base URL) once healthy."""
+    """`python -m pipeline serve` on a free port; returns (process, base URL) once healthy.
+    `mode=None`: the config's mode, as a plain `serve` would."""
     port = free_port()
     proc = subprocess.Popen(
         [
@@ -187,8 +188,7 @@ def start_serve(
             str(art),
             "--port",
             str(port),
-            "--mode",
-            mode,
+            *(["--mode", mode] if mode else []),
             *(extra or []),
         ],
         cwd=ROOT,

@@ -281,3 +281,33 @@ def test_latency_weighted_rewards_make_the_mean_tokens_over_time():
     assert w.means == pytest.approx(u.means) and w._ss("a") == pytest.approx(u.m2["a"])
     with pytest.raises(ValueError, match="weight"):
         b.update("a", 1.0, weight=0)
+
+
+@pytest.mark.parametrize("policy", ["plausible", "contextual"])
+def test_forgetting_the_draft_arms_keeps_the_rest_and_pulls_them_again(tmp_path, policy):
+    """A new draft model: the draft arms start over (pulled again first), 0 and ngram keep
+    what they learnt; the state file carries the pending re-pulls across a restart."""
+    from pipeline.speculative.bandit import Context, ContextualBandit
+
+    arms = ["0", "draft:2", "draft:4", "ngram:4"]
+    make = (
+        (lambda: ContextualBandit(arms, random.Random(0), 1))
+        if policy == "contextual"
+        else (lambda: EpsilonGreedy(arms, random.Random(0), 1))
+    )
+    b = make()
+    ctx = Context(prompt_tokens=50, queue_depth=0)
+    for arm, reward in (("0", 10.0), ("draft:2", 30.0), ("draft:4", 20.0), ("ngram:4", 15.0)):
+        b.choose(ctx)
+        b.update(arm, reward, ctx, acceptance=0.5 if arm != "0" else None)
+    b.forget(["draft:2", "draft:4"])
+    assert b.counts == {"0": 1, "draft:2": 0, "draft:4": 0, "ngram:4": 1}
+    assert b.means["ngram:4"] == 15.0 and b.means["draft:2"] == 0.0
+    save_bandit(b, tmp_path / "s.json")
+    restored = make()
+    assert load_bandit(restored, tmp_path / "s.json") == "restored"
+    picks = [restored.choose(ctx) for _ in range(2)]
+    assert [d.arm for d in picks] == ["draft:2", "draft:4"] and all(d.warmup for d in picks)
+    if policy == "contextual":
+        assert "draft" not in b.recent_acceptance and "ngram" in b.recent_acceptance
+        assert not [k for k in b.cells if k[0].startswith("draft")]

@@ -140,10 +140,17 @@ def test_bench_and_serve_refuse_draft_vocab_without_counts(cli, tmp_path, mbpp_p
     )  # fmt: skip
     assert res.returncode == 2
     assert "engine.draft_vocab=64 needs the token counts" in res.log
+    # A named draft without counts: exit 2 at once, not a server that loads and then answers
+    # 503. (The base draft, untrained, is served over its full vocabulary with a warning.)
+    named = tmp_path / "named-draft"
+    named.mkdir()
+    (named / "config.json").write_text('{"model_type": "llama"}')
+    (named / "model.safetensors").write_bytes(b"0")
     res = cli(
-        "serve", "--config", "configs/ci.yaml", "--artifacts", art, "--set", "engine.draft_vocab=64"
-    )
-    assert res.returncode == 2  # at once, not a server that loads and then answers 503
+        "serve", "--config", "configs/ci.yaml", "--artifacts", art,
+        "--set", "engine.draft_vocab=64", "--set", f"server.draft={named}",
+    )  # fmt: skip
+    assert res.returncode == 2
     assert "engine.draft_vocab=64 needs the token counts" in res.log
 
 

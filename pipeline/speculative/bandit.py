@@ -21,7 +21,8 @@ with few rewards behaves like the context-free policy and warm-up stays one pull
 
 `DriftGuard` watches the rewards: when the speculative arm the bandit exploits delivers less
 than plain generation by a margin over a window, it holds the bandit to arm 0 for a cool-down,
-then lets it probe again.
+then probes: the next requests run the best speculative arm (by the bandit's means) until
+the window can judge it again.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class Decision:
     means: dict
     counts: dict
     fallback: bool = False  # the drift guard held this request to plain generation
+    probe: bool = False  # the drift guard's probe after a cool-down: the best speculative arm
     cell: tuple = ()  # the contextual policy's cell (empty: no context)
 
 
@@ -96,6 +98,7 @@ class EpsilonGreedy:
         self.weights = {a: 0.0 for a in self.arms}  # sum of the rewards' weights
         self.t = 0  # decisions taken after warm-up
         self.warmup_issued = 0  # warm-up decisions handed out (rewards may still be pending)
+        self.rewarm: list = []  # forgotten arms to pull again before exploiting (`forget`)
         self._lock = threading.Lock()
 
     def epsilon(self) -> float:
@@ -125,12 +128,31 @@ class EpsilonGreedy:
                 out.append(a)
         return out
 
+    def forget(self, arms) -> None:
+        """Drop what was learnt about `arms` (a new draft model makes the draft arms' rewards
+        stale) and pull each of them `warmup_pulls` times again before exploiting."""
+        arms = [a for a in self.arms if a in set(arms)]
+        with self._lock:
+            for a in arms:
+                self.counts[a], self.means[a], self.m2[a], self.weights[a] = 0, 0.0, 0.0, 0.0
+            self._forget_more(arms)
+            self.rewarm = [a for _ in range(self.warmup_pulls) for a in arms]
+
+    def _forget_more(self, arms) -> None:
+        pass
+
+    def _rewarm(self) -> Hashable | None:
+        """The next forgotten arm to pull again, if any (under the lock)."""
+        return self.rewarm.pop(0) if self.rewarm else None
+
     def choose(self, context: Context | None = None) -> Decision:
         with self._lock:
             warm_total = self.warmup_pulls * len(self.arms)
             if self.warmup_issued < warm_total:
                 arm = self.arms[self.warmup_issued % len(self.arms)]
                 self.warmup_issued += 1
+                return self._decision(arm, explored=True, warmup=True, eps=1.0)
+            if (arm := self._rewarm()) is not None:
                 return self._decision(arm, explored=True, warmup=True, eps=1.0)
             eps = self.epsilon()
             explored = self.rng.random() < eps
@@ -184,6 +206,7 @@ class EpsilonGreedy:
                 "weights": {str(a): v for a, v in self.weights.items()},
                 "t": self.t,
                 "warmup_issued": self.warmup_issued,
+                "rewarm": [str(a) for a in self.rewarm],
             }
 
     def load_state(self, state: dict) -> None:
@@ -206,6 +229,7 @@ class EpsilonGreedy:
             self.weights = {a: weights.get(a, float(counts[a])) for a in self.arms}
             self.t = int(state["t"])
             self.warmup_issued = int(state.get("warmup_issued", sum(counts.values())))
+            self.rewarm = [key[str(a)] for a in state.get("rewarm", []) if str(a) in key]
 
 
 PROMPT_BUCKETS = (128, 256, 512)  # prompt tokens: <128, 128-255, 256-511, 512+
@@ -254,6 +278,8 @@ class ContextualBandit(EpsilonGreedy):
                 arm = self.arms[self.warmup_issued % len(self.arms)]
                 self.warmup_issued += 1
                 return self._decision(arm, True, True, 1.0, context)
+            if (arm := self._rewarm()) is not None:
+                return self._decision(arm, True, True, 1.0, context)
             eps = self.epsilon()
             explored = self.rng.random() < eps
             values = {a: self.value(a, context) for a in self.arms}
@@ -290,6 +316,12 @@ class ContextualBandit(EpsilonGreedy):
                 a = self.acceptance_alpha
                 self.recent_acceptance[s] = (1 - a) * old + a * acceptance
 
+    def _forget_more(self, arms) -> None:
+        gone = set(arms)
+        self.cells = {k: v for k, v in self.cells.items() if k[0] not in gone}
+        for s in {strategy_of(a) for a in arms}:
+            self.recent_acceptance.pop(s, None)
+
     def state(self) -> dict:
         out = super().state()
         with self._lock:
@@ -317,9 +349,10 @@ class DriftGuard:
     rewards of speculative arms the bandit chose to exploit fill the other. When the speculative
     window holds `min_samples` and its mean is below the plain window's mean by more than
     `margin` (a fraction), the guard falls back for `cooldown` requests (`hold()` is then True),
-    then clears the speculative window and lets the bandit probe: the next `min_samples`
-    exploited speculative requests either recover (event "recovered") or fall back again with
-    twice the cool-down (at most 8x). Thread-safe; events are returned to the caller."""
+    then clears the speculative window and probes (`probe()` is then True: the caller runs the
+    best speculative arm, since the slow rewards may have taught the bandit to stay plain): the
+    next `min_samples` speculative requests either recover (event "recovered") or fall back
+    again with twice the cool-down (at most 8x). Thread-safe; events are returned to the caller."""
 
     window: int = 8
     margin: float = 0.2
@@ -347,6 +380,11 @@ class DriftGuard:
                 self.probing = True
             return True
 
+    def probe(self) -> bool:
+        """Whether this request should probe speculation (after a cool-down, until judged)."""
+        with self._lock:
+            return self.probing and self.remaining <= 0
+
     def observe(self, plain: bool, exploited: bool, reward: float) -> dict | None:
         """One bandit request's tokens/s. Returns an event dict ("fallback" or "recovered",
         with both windows' means) when the state changed, else None."""
@@ -371,6 +409,13 @@ class DriftGuard:
                 self.probing, self.fallbacks = False, 0
                 return {"event": "recovered", **figures}
             return None
+
+    def reset_speculative(self) -> None:
+        """Forget the speculative window and any fall-back (a new draft model gets a fresh
+        chance); the plain window stays, plain generation has not changed."""
+        with self._lock:
+            self.spec.clear()
+            self.remaining, self.fallbacks, self.probing = 0, 0, False
 
     def _push(self, window: deque, reward: float) -> None:
         window.append(reward)

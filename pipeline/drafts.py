@@ -1,0 +1,228 @@
+"""Which draft the server serves (`server.draft`): the one place that decides it.
+
+    latest   the promoted draft (<artifacts>/current, a retrain run), else the newest verified
+             merged draft (<artifacts>/merged, or the local registry's latest version), else the
+             base draft (models.draft) with a warning saying how to build a distilled one
+    base     models.draft, the training stage's starting point
+    other    a registry version (`v0003` or `v0003-<run id>`), a model directory, or a Hub id
+
+A draft named explicitly, or found by `latest`, that is missing or cannot be loaded is a
+ConfigError (exit 2) naming it, raised before the server starts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import Config
+from .errors import ConfigError
+from .workspace import Workspace, sha256_file
+
+log = logging.getLogger(__name__)
+
+VERSION = re.compile(r"^v\d{4}(-[\w.-]+)?$")
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+@dataclass(frozen=True)
+class ServedDraft:
+    """The draft a server serves and where it came from."""
+
+    spec: str  # what the loader gets: a directory, a Hub id, or the models.draft spec
+    source: str  # promoted | merged | registry | base | explicit
+    version: str | None = None  # registry version (or retrain run id) when it has one
+    acceptance: float | None = None  # held-out acceptance from a bench of this exact draft
+    acceptance_mode: str | None = None
+    acceptance_from: str | None = None  # the results.json it comes from
+
+    @property
+    def label(self) -> str:
+        """Short name for tags and metrics: the version, else the spec."""
+        return self.version or self.spec
+
+    def describe(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    def sentence(self) -> str:
+        how = {
+            "promoted": "latest: the promoted draft (<artifacts>/current)",
+            "merged": "latest: the newest verified merged draft",
+            "registry": "latest: the newest verified draft in the local registry",
+            "base": "the base draft, untrained",
+            "explicit": "server.draft",
+        }[self.source]
+        parts = [how]
+        if self.version:
+            parts.append(f"version {self.version}")
+        if self.acceptance is not None:
+            parts.append(
+                f"held-out acceptance {self.acceptance:.3f} at {self.acceptance_mode} "
+                f"({self.acceptance_from})"
+            )
+        elif self.source != "base":
+            parts.append("no bench result for this exact draft yet")
+        return f"{self.spec} ({'; '.join(parts)})"
+
+
+def weights_id(folder: str | Path) -> str | None:
+    """sha256 of a model directory's weights file (its index when sharded); None if none."""
+    folder = Path(folder)
+    meta = folder / "phoenix.json"  # merge records the hash it verified
+    if meta.is_file() and (folder / "model.safetensors").is_file():
+        known = json.loads(meta.read_text()).get("weights_sha256")
+        if known:
+            return known
+    for name in WEIGHTS:
+        if (folder / name).is_file():
+            return sha256_file(folder / name)
+    return None
+
+
+def _verified(folder: Path) -> bool:
+    """A merged draft that passed merge's check: merge writes phoenix.json only then."""
+    return (folder / "config.json").is_file() and (folder / "phoenix.json").is_file()
+
+
+def _registry_model(cfg: Config, ws: Workspace) -> Path:
+    from .publish import registry_root
+
+    return registry_root(cfg, ws) / cfg.publish.name
+
+
+def _promoted(ws: Workspace) -> ServedDraft | None:
+    from .retrain import current_run
+
+    run = current_run(ws.root)
+    if run is None:
+        return None
+    run_dir = ws.root / "runs" / run
+    merged = run_dir / "merged"
+    if not _verified(merged):
+        raise ConfigError(
+            f"server.draft=latest: {ws.root / 'current'} points at run {run}, which has no "
+            f"verified merged draft at {merged}"
+        )
+    gate = run_dir / "gate.json"
+    version = None
+    if gate.is_file():
+        version = (json.loads(gate.read_text()).get("published") or {}).get("version")
+    return ServedDraft(str(merged), "promoted", version or run)
+
+
+def _newest_merged(cfg: Config, ws: Workspace) -> ServedDraft | None:
+    """The newest of <artifacts>/merged and the registry's latest version (by when merge
+    verified it: the registry copy keeps the file times)."""
+    found: list[tuple[float, int, ServedDraft]] = []
+    if _verified(ws.merged):
+        record = ws.merged / "publish.json"
+        version = None
+        if record.is_file():
+            version = (json.loads(record.read_text()).get("published") or {}).get("version")
+        mtime = (ws.merged / "phoenix.json").stat().st_mtime
+        found.append((mtime, 1, ServedDraft(str(ws.merged), "merged", version)))
+    latest = _registry_model(cfg, ws) / "latest.json"
+    if latest.is_file():
+        version = json.loads(latest.read_text())["version"]
+        folder = latest.parent / version
+        if _verified(folder):
+            mtime = (folder / "phoenix.json").stat().st_mtime
+            found.append((mtime, 0, ServedDraft(str(folder), "registry", version)))
+    return max(found, key=lambda f: f[:2])[2] if found else None
+
+
+def _explicit(cfg: Config, ws: Workspace, text: str) -> ServedDraft:
+    if VERSION.match(text):
+        root = _registry_model(cfg, ws)
+        hits = sorted(d for d in root.glob(f"{text}*") if d.is_dir() and not d.name.startswith("."))
+        if len(hits) != 1:
+            known = sorted(d.name for d in root.glob("v*") if d.is_dir())
+            raise ConfigError(
+                f"server.draft={text}: {'no' if not hits else 'more than one'} registry version "
+                f"matches under {root} (versions there: {', '.join(known) or 'none'})"
+            )
+        return ServedDraft(str(hits[0]), "explicit", hits[0].name)
+    path = Path(text).expanduser()
+    is_hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~"))
+    if not path.exists() and not is_hub_id:
+        raise ConfigError(
+            f"server.draft={text}: no such directory (nor a registry version or Hub id)"
+        )
+    version = None
+    meta = path / "phoenix-version.json"
+    if meta.is_file():
+        version = json.loads(meta.read_text()).get("version")
+    return ServedDraft(str(path) if path.exists() else text, "explicit", version)
+
+
+def check_loadable(served: ServedDraft) -> None:
+    """Exit 2 now, naming the draft, if its directory (or Hub id) cannot be loaded."""
+    from transformers import AutoConfig
+
+    path = Path(served.spec)
+    if path.exists():
+        if not path.is_dir():
+            raise ConfigError(f"draft {served.spec} is not a model directory")
+        if not any((path / w).is_file() for w in WEIGHTS):
+            raise ConfigError(f"draft {served.spec} holds no weights ({' / '.join(WEIGHTS)})")
+    try:
+        AutoConfig.from_pretrained(served.spec)
+    except Exception as exc:  # noqa: BLE001 - any reason it cannot be read is the same error
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"draft {served.spec} cannot be loaded: {first}") from None
+
+
+def bench_acceptance(cfg: Config, ws: Workspace, served: ServedDraft) -> ServedDraft:
+    """The served draft with its held-out acceptance at `retrain.gate_mode`, when a bench under
+    this workspace measured this exact draft (same weights)."""
+    folder = Path(served.spec)
+    wid = weights_id(folder) if folder.is_dir() else None
+    if wid is None:
+        return served
+    files = [ws.bench_results, *sorted((ws.root / "runs").glob("*/bench/results.json"))]
+    for results_file in sorted(
+        (f for f in files if f.is_file()), key=lambda f: f.stat().st_mtime, reverse=True
+    ):
+        results = json.loads(results_file.read_text())
+        for draft, sha in (results.get("draft_weights") or {}).items():
+            if sha != wid:
+                continue
+            for row in results.get("rows", []):
+                if row["draft"] == draft and row["mode"] == cfg.retrain.gate_mode:
+                    return ServedDraft(
+                        served.spec,
+                        served.source,
+                        served.version,
+                        row["acceptance_rate"],
+                        cfg.retrain.gate_mode,
+                        str(results_file),
+                    )
+    return served
+
+
+def resolve_served(cfg: Config, ws: Workspace) -> ServedDraft:
+    """`server.draft` -> the draft to serve, checked loadable, with its bench acceptance."""
+    text = cfg.server.draft.strip()
+    if text == "base":
+        served = ServedDraft(cfg.models.draft, "base")
+    elif text == "latest":
+        served = _promoted(ws) or _newest_merged(cfg, ws)
+        if served is None:
+            log.warning(
+                "server.draft=latest: no distilled draft under %s (no promoted run, no verified "
+                "merged draft, no registry version): serving the base draft %s, which accepts "
+                "little. Build one with `make demo` (or make distill train merge), then restart.",
+                ws.root,
+                cfg.models.draft,
+            )
+            return ServedDraft(cfg.models.draft, "base")
+    else:
+        served = _explicit(cfg, ws, text)
+    if served.source != "base":
+        check_loadable(served)
+        served = bench_acceptance(cfg, ws, served)
+    return served

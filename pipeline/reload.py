@@ -1,0 +1,126 @@
+"""Hot swap: a running server picks up a newly promoted draft without failing a request.
+
+With `server.draft: latest` a watcher thread reads <artifacts>/current every
+`server.reload_poll_s`; `POST /admin/reload-draft` asks at once. A reload resolves
+`server.draft` again (drafts.resolve_served); if that names other weights than the ones
+serving, it loads the new draft beside the old one (sharing the target, while requests keep
+being served), then swaps between requests (ServingCore.swap_draft). A draft that fails to
+load leaves the old one serving; the failure is logged and sent to Sentry.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from . import models
+from .drafts import resolve_served, weights_id
+
+log = logging.getLogger(__name__)
+
+
+def same_draft(a: str, b: str) -> bool:
+    """The same weights (or, for a Hub id, the same id)."""
+    wa, wb = weights_id(a), weights_id(b)
+    return wa == wb if wa is not None and wb is not None else a == b
+
+
+class DraftReloader:
+    def __init__(self, cfg, ws, get_core, telemetry, metrics):
+        self.cfg, self.ws = cfg, ws
+        self.get_core = get_core  # the ServingCore, once loaded (None before)
+        self.telemetry = telemetry
+        self.metrics = metrics
+        self._lock = threading.Lock()  # one reload at a time
+        self._seen = self.pointer()
+        self.last: dict[str, Any] | None = None
+
+    def pointer(self) -> str | None:
+        """What the watcher compares: where <artifacts>/current points."""
+        link = Path(self.ws.root) / "current"
+        return os.readlink(link) if link.is_symlink() else None
+
+    def watch(self, poll_s: float, stop: threading.Event) -> threading.Thread:
+        def loop() -> None:
+            while not stop.wait(poll_s):
+                now = self.pointer()
+                if now != self._seen and self.get_core() is not None:
+                    self._seen = now
+                    log.info("draft reload: %s/current now points at %s", self.ws.root, now)
+                    self.reload("current changed")
+
+        thread = threading.Thread(target=loop, name="phoenix-draft-watch", daemon=True)
+        thread.start()
+        return thread
+
+    def reload(self, reason: str) -> dict[str, Any]:
+        """Resolve `server.draft` again and swap if it names other weights. Never raises: the
+        outcome is returned (and logged, and on failure sent to Sentry)."""
+        with self._lock:
+            t0 = time.perf_counter()
+            core = self.get_core()
+            if core is None:
+                return {"reloaded": False, "reason": "models are still loading"}
+            if core.pair is None or core.pair.draft_ref is None:
+                return {"reloaded": False, "reason": "this server runs without a draft"}
+            old = core.draft_id
+            try:
+                served = resolve_served(self.cfg, self.ws)
+                if same_draft(served.spec, core.pair.draft_ref):
+                    out = {"reloaded": False, "reason": "already serving it", "draft": old}
+                    self.last = out
+                    return out
+                pair = models.load_pair(self.cfg, self.ws, served.spec, share_target=core.pair)
+                prepare = None
+                if core.engine.compiled:
+                    arms = core.bandit.arms
+
+                    def prepare(engine):  # under the generation lock (shared static cache)
+                        models.compile_engine(self.cfg, self.ws, engine, arms)
+
+                waited = core.swap_draft(pair.engine, served.label, served.describe(), prepare)
+                core.pair = pair
+            except Exception as exc:  # noqa: BLE001 - whatever failed, the old draft serves on
+                self.metrics.draft_reloads.labels(outcome="failed").inc()
+                # Sentry first, with its tags: the logging integration's copy of the same
+                # exception is then dropped as a duplicate.
+                self.telemetry.event(
+                    f"phoenix draft reload failed: {type(exc).__name__}: {exc}",
+                    level="error",
+                    tags={"draft_reload": "failed", "draft_version": old or "none"},
+                    exc=exc,
+                )
+                log.exception("draft reload failed (%s); still serving %s", reason, old)
+                out = {"reloaded": False, "error": f"{type(exc).__name__}: {exc}", "draft": old}
+                self.last = out
+                return out
+            seconds = time.perf_counter() - t0
+            self.metrics.set_draft(served.label, served.source)
+            self.metrics.draft_reloads.labels(outcome="ok").inc()
+            log.info(
+                "draft reload (%s): now serving %s (was %s); %.2f s, generation paused %.3f s",
+                reason,
+                served.sentence(),
+                old,
+                seconds,
+                waited,
+            )
+            self.telemetry.event(
+                f"phoenix draft swapped: {old} -> {served.label}",
+                level="info",
+                tags={"draft_reload": "ok", "draft_version": served.label},
+            )
+            out = {
+                "reloaded": True,
+                "draft": served.label,
+                "previous": old,
+                "info": served.describe(),
+                "seconds": round(seconds, 3),
+                "paused_s": round(waited, 3),
+            }
+            self.last = out
+            return out

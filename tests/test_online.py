@@ -1,0 +1,311 @@
+"""Online distillation: traffic capture, retrain on captured traffic, hot swap of the draft."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from pipeline import models, retrain, traffic
+from pipeline.config import load_config
+from pipeline.server import build_app
+from pipeline.workspace import Workspace, read_jsonl
+from tests.conftest import CI, copy_workspace, start_serve, wait_http
+from tests.servers import ServerThread
+
+MODEL = "tiny:layers=2,hidden=64,seed=0"
+CHAT = "/v1/chat/completions"
+
+
+def rec(i: int, ts: float, prompt=None, finish="stop", by_string=False) -> dict:
+    prompt = prompt if prompt is not None else [1, 2, i]
+    return {
+        "id": f"r{i}",
+        "ts": ts,
+        "prompt_sha256": traffic.prompt_hash(prompt),
+        "prompt_token_ids": prompt,
+        "token_ids": [5, 6, i],
+        "finish_reason": finish,
+        "stopped_by_string": by_string,
+    }
+
+
+# --- capture files ------------------------------------------------------------------------------
+def test_capture_rotates_bounded_files_and_reading_skips_bad_lines(tmp_path):
+    log = traffic.TrafficLog(tmp_path, max_file_bytes=600, max_files=3)
+    for i in range(40):
+        assert log.append(rec(i, 1000.0 + i))
+    log.close()
+    files = sorted(tmp_path.glob("traffic-*.jsonl"))
+    assert len(files) == 3 and all(f.stat().st_size < 600 + 300 for f in files)
+    records, skipped = traffic.read_traffic(tmp_path)
+    assert skipped == 0 and [r["id"] for r in records][-1] == "r39"
+    assert len(records) < 40  # the oldest files went
+    # A new process starts a new file; torn, foreign and incomplete lines are skipped, counted.
+    with open(files[-1], "a") as f:
+        f.write('{"id": "torn", "ts": 1.0, "prompt_token_ids": [1,\n')
+        f.write("not json at all\n")
+        f.write(json.dumps({"id": "x", "ts": 2.0, "prompt_token_ids": [1]}) + "\n")
+        f.write(json.dumps({**rec(99, 3000.0), "token_ids": ["a"]}) + "\n")
+    log2 = traffic.TrafficLog(tmp_path, max_file_bytes=600, max_files=10)
+    assert log2.append(rec(100, 4000.0))
+    log2.close()
+    assert len(list(tmp_path.glob("traffic-*.jsonl"))) == 4
+    again, skipped = traffic.read_traffic(tmp_path)
+    assert skipped == 4 and len(again) == len(records) + 1 and again[-1]["id"] == "r100"
+
+
+def test_a_full_disk_pauses_capture_then_it_resumes(tmp_path, caplog):
+    log = traffic.TrafficLog(tmp_path, max_file_bytes=1 << 20, max_files=4, pause_s=0.3)
+    (tmp_path / "traffic-000001.jsonl").symlink_to("/dev/full")  # writes fail: ENOSPC
+    assert not log.append(rec(1, 1.0))
+    assert "traffic capture paused" in caplog.text and "No space left" in caplog.text
+    assert not log.append(rec(2, 2.0)) and log.dropped == 2  # paused: not even tried
+    time.sleep(0.35)
+    assert log.append(rec(3, 3.0))  # a new file after the pause
+    log.close()
+    (tmp_path / "traffic-000001.jsonl").unlink()
+    assert [r["id"] for r in traffic.read_traffic(tmp_path)[0]] == ["r3"]
+
+
+def test_selection_dedupes_prompts_keeps_complete_answers_and_holds_out_the_newest():
+    records = [
+        rec(0, 1.0),  # before the watermark
+        rec(1, 11.0, prompt=[9, 9]),
+        rec(2, 12.0, prompt=[9, 9]),  # the same prompt later: the one kept
+        rec(3, 13.0, finish="length"),  # cut at max_tokens: a prefix of the target's answer
+        rec(4, 14.0, by_string=True),  # cut by the client's stop string: not trained
+        rec(5, 15.0, finish="abort"),
+        rec(6, 16.0),
+        rec(7, 17.0),
+    ]
+    train, test = traffic.select(records, since=10.0, test_size=2)
+    assert [r["id"] for r in train] == ["r2", "r3"]
+    assert [r["id"] for r in test] == ["r6", "r7"]
+
+
+# --- the server captures ------------------------------------------------------------------------
+def test_the_server_captures_what_it_served_and_never_a_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("PHX_CAPTURE_KEY", "sekrit-key-123")
+    cfg = load_config(
+        "configs/ci.yaml",
+        ["traffic.capture=true", "server.api_key_env=PHX_CAPTURE_KEY", "server.draft=base"],
+    )
+    ws = Workspace(tmp_path)
+    auth = {"Authorization": "Bearer sekrit-key-123"}
+    with ServerThread(build_app(cfg, ws)) as s:
+        wait_http(s.url + "/health", timeout=60)
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Write a function to add two numbers."}],
+            "max_tokens": 12,
+            "phoenix": {"mode": "fixed:2", "token_ids": True},
+        }
+        served = requests.post(s.url + CHAT, json=body, headers=auth, timeout=60).json()
+        optout = {**body, "phoenix": {"mode": "target", "capture": False}}
+        assert requests.post(s.url + CHAT, json=optout, headers=auth, timeout=60).ok
+        text = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 6, "stop": ["\n"]}
+        assert requests.post(s.url + "/v1/completions", json=text, headers=auth, timeout=60).ok
+        metrics = requests.get(s.url + "/metrics", timeout=10).text
+    records, skipped = traffic.read_traffic(tmp_path / "traffic")
+    assert skipped == 0 and len(records) == 2  # the opted-out request is not there
+    chat, completion = records
+    assert chat["token_ids"] == served["phoenix"]["token_ids"]
+    assert chat["mode"] == "fixed:2" and chat["arm"] == "draft:2" and chat["kind"] == "chat"
+    assert len(chat["accepted_per_position"]) == 2 and chat["draft"] == "cut:1"
+    assert chat["prompt_sha256"] == traffic.prompt_hash(chat["prompt_token_ids"])
+    assert completion["kind"] == "text"
+    raw = "".join(p.read_text() for p in (tmp_path / "traffic").iterdir())
+    assert "sekrit" not in raw and "Bearer" not in raw and "127.0.0.1" not in raw
+    assert 'phoenix:traffic_records_total{outcome="opted_out"} 1.0' in metrics
+    assert 'phoenix:traffic_records_total{outcome="captured"} 2.0' in metrics
+
+
+# --- hot swap -----------------------------------------------------------------------------------
+def fingerprint(url: str, prompts: list[str]) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        r = requests.post(
+            url + CHAT,
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": p}],
+                "max_tokens": 24,
+                "phoenix": {"mode": "fixed:4"},
+            },
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        out.append(r.json()["phoenix"]["accepted_per_position"])
+    return out
+
+
+def promote_copy(art: Path, run: str, source: Path) -> Path:
+    """A promoted run as retrain leaves it: runs/<run>/merged (verified) and `current`."""
+    merged = shutil.copytree(source, art / "runs" / run / "merged")
+    (merged / "phoenix.json").write_text(json.dumps({"method": "full"}))
+    (art / "runs" / run / "gate.json").write_text(
+        json.dumps({"published": {"version": f"v0009-{run}"}})
+    )
+    retrain.point_current(art, run)
+    return merged
+
+
+def test_a_promoted_draft_is_swapped_in_under_load_without_failing_a_request(merged_ws, tmp_path):
+    """The watcher sees `current` move while 24 clients keep requests in flight: every
+    request succeeds, the new draft serves (its acceptance fingerprint, /v1/models, /metrics,
+    the Sentry tag); a broken draft then fails to load over POST /admin/reload-draft: 500,
+    reported to Sentry, and the old draft keeps serving."""
+    from tests.fake_sentry import FakeSentry
+
+    art = copy_workspace(merged_ws, tmp_path / "art")
+    ws = Workspace(art)
+    base_dir = Path(
+        models.resolve("cut:1", ws.models_cache, models.resolve(MODEL, ws.models_cache))
+    )
+    prompts = [r["prompt"] for r in read_jsonl(ws.test_file)[:2]]
+    with FakeSentry() as sentry:
+        proc, url = start_serve(
+            art, {"SENTRY_DSN": sentry.dsn}, mode=None, extra=["--set", "server.reload_poll_s=0.2"]
+        )
+        try:
+            before = fingerprint(url, prompts)
+            stop, results, peak = threading.Event(), [], []
+
+            def client(i: int) -> None:
+                modes = ("bandit", "fixed:4", "target")
+                while not stop.is_set():
+                    r = requests.post(
+                        url + CHAT,
+                        json={
+                            "model": MODEL,
+                            "messages": [{"role": "user", "content": f"Task {i}: sort a list."}],
+                            "max_tokens": 16,
+                            "phoenix": {"mode": modes[i % 3]},
+                        },
+                        timeout=120,
+                    )
+                    results.append(r.status_code)
+
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(24)]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                admitted = requests.get(url + "/health", timeout=10).json()["admitted"]
+                if admitted >= 20:
+                    break
+            peak.append(admitted)
+            promote_copy(art, "r2", base_dir)  # the watcher notices within 0.2 s
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                info = requests.get(url + "/v1/models", timeout=10).json()["data"][0]["metadata"]
+                if info["draft"].get("version") == "v0009-r2":
+                    break
+                time.sleep(0.1)
+            time.sleep(0.5)  # requests keep coming after the swap too
+            stop.set()
+            for t in threads:
+                t.join(timeout=120)
+            assert peak[0] >= 20, peak
+            assert info["draft"]["version"] == "v0009-r2" and info["draft"]["source"] == "promoted"
+            assert len(results) > 24 and set(results) == {200}, sorted(set(results))
+            after = fingerprint(url, prompts)
+            metrics = requests.get(url + "/metrics", timeout=10).text
+            assert 'phoenix:draft_info{source="promoted",version="v0009-r2"} 1.0' in metrics
+            assert 'phoenix:draft_reloads_total{outcome="ok"} 1.0' in metrics
+
+            broken = art / "runs" / "r3" / "merged"
+            shutil.copytree(base_dir, broken)
+            (broken / "phoenix.json").write_text("{}")
+            (broken / "model.safetensors").write_bytes(b"not weights")
+            retrain.point_current(art, "r3")  # the watcher fails on it too; ask directly
+            r = requests.post(url + "/admin/reload-draft", timeout=120)
+            assert r.status_code == 500 and r.json()["error"]["code"] == "draft_reload_failed"
+            assert fingerprint(url, prompts) == after  # the old draft serves on
+            info = requests.get(url + "/v1/models", timeout=10).json()["data"][0]["metadata"]
+            assert info["draft"]["version"] == "v0009-r2"
+            assert sentry.wait_for(
+                lambda: any(
+                    (e.get("tags") or {}).get("draft_reload") == "failed"
+                    and e["exception"]["values"][-1]["type"]
+                    for e in sentry.items("event")
+                )
+            )
+            tags = {t["tags"].get("draft_version") for t in sentry.transactions()}
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+    assert before != after  # the swap changed which draft guesses
+    assert "v0009-r2" in tags and "draft reload failed" in err
+    assert "now serving" in err and "v0009-r2" in err
+
+
+# --- retrain on traffic -------------------------------------------------------------------------
+def test_retrain_learns_from_captured_traffic_without_a_teacher(merged_ws, tmp_path, cli):
+    """Serve the held-out prompts with capture on, then `retrain` with retrain.data=traffic and
+    a teacher URL nobody answers: a run trains on the captured answers, the gate compares the new
+    draft with the base on the newest traffic, and a second retrain finds nothing new."""
+    art = tmp_path / "art"
+    shutil.copytree(Path(merged_ws) / "cache", art / "cache")
+    cfg = load_config("configs/ci.yaml", ["traffic.capture=true"])
+    ws = Workspace(art)
+    prompts = [r["prompt"] for r in read_jsonl(Path(merged_ws) / "data" / "test.jsonl")]
+    with ServerThread(build_app(cfg, ws, mode="target")) as s:
+        wait_http(s.url + "/health", timeout=60)
+        for p in prompts[:44]:
+            r = requests.post(
+                s.url + CHAT,
+                json={
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": p}],
+                    "max_tokens": 24,
+                },
+                timeout=60,
+            )
+            assert r.ok
+    folder = art / "traffic"
+    with open(sorted(folder.iterdir())[-1], "a") as f:
+        f.write('{"id": "torn", "ts": 9')  # a crash mid-write
+    args = (
+        *CI,
+        "--artifacts",
+        str(art),
+        "--set",
+        "retrain.data=traffic",
+        "--set",
+        "retrain.traffic_test_size=8",
+        "--set",
+        "teacher.url=http://127.0.0.1:9/v1",  # nobody there: a teacher call would fail
+        "--set",
+        "retrain.min_gain=-1",
+    )
+    res = cli(*args, "retrain")
+    assert res.returncode == 0, res.log[-3000:]
+    assert "36 new trainable record(s) and 8 to hold out" in res.log and "1 bad line" in res.log
+    run = retrain.current_run(art)
+    run_dir = art / "runs" / run
+    assert len(read_jsonl(run_dir / "teacher" / "answers.jsonl")) == 36
+    test_rows = read_jsonl(run_dir / "data" / "test.jsonl")
+    assert len(test_rows) == 8 and all("prompt_token_ids" in r for r in test_rows)
+    gate = json.loads((run_dir / "gate.json").read_text())
+    assert gate["promoted"] and gate["baseline"] == "the base draft on the held-out traffic"
+    results = json.loads((run_dir / "bench" / "results.json").read_text())
+    assert results["protocol"]["prompts"] == 8 and results["lossless"]
+
+    res = cli(*args, "retrain")  # no traffic since the promoted run
+    assert res.returncode == 0 and "nothing to do: 0 new trainable record(s)" in res.log
+    assert retrain.current_run(art) == run
+
+
+@pytest.mark.parametrize("value", ["maybe", "-1"])
+def test_bad_traffic_settings_exit_2(cli, tmp_path, value):
+    key = "traffic.capture" if value == "maybe" else "retrain.traffic_test_size"
+    res = cli(*CI, "--artifacts", str(tmp_path), "retrain", "--set", f"{key}={value}")
+    assert res.returncode == 2 and key in res.log

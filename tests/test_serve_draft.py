@@ -1,0 +1,215 @@
+"""`server.draft`: serve serves the draft you built (latest), or base, or a named one."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import requests
+
+from pipeline import drafts
+from pipeline.config import load_config
+from pipeline.errors import ConfigError
+from pipeline.workspace import Workspace, read_jsonl
+from tests.conftest import CI, start_serve, wait_http
+from tests.servers import ServerThread
+
+CHAT = "/v1/chat/completions"
+
+
+def cfg_with(draft: str = "latest"):
+    return load_config("configs/ci.yaml", [f"server.draft={draft}"])
+
+
+def fake_model(folder: Path, verified: bool = True, when: float | None = None) -> Path:
+    """A directory that reads as a model: a real config.json, a weights file, and (verified)
+    the phoenix.json merge writes after its check."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (folder / "model.safetensors").write_bytes(os.urandom(64))
+    if verified:
+        (folder / "phoenix.json").write_text(json.dumps({"method": "full"}))
+        if when is not None:
+            os.utime(folder / "phoenix.json", (when, when))
+    return folder
+
+
+def registry_version(art: Path, version: str, when: float) -> Path:
+    folder = fake_model(art / "registry" / "phoenix-draft" / version, when=when)
+    (folder / "phoenix-version.json").write_text(json.dumps({"version": version}))
+    (folder.parent / "latest.json").write_text(json.dumps({"version": version}))
+    return folder
+
+
+def test_latest_is_promoted_else_newest_verified_merged_else_base(tmp_path, caplog):
+    ws = Workspace(tmp_path)
+    cfg = cfg_with()
+    served = drafts.resolve_served(cfg, ws)
+    assert (served.source, served.spec) == ("base", "cut:1")
+    assert "make demo" in caplog.text  # the warning says how to build a distilled draft
+
+    fake_model(ws.merged, verified=False)  # merge did not finish its check: not served
+    assert drafts.resolve_served(cfg, ws).source == "base"
+    (ws.merged / "phoenix.json").write_text("{}")
+    os.utime(ws.merged / "phoenix.json", (1000, 1000))
+    served = drafts.resolve_served(cfg, ws)
+    assert (served.source, served.spec) == ("merged", str(ws.merged))
+
+    newer = registry_version(tmp_path, "v0002-b", when=2000)
+    served = drafts.resolve_served(cfg, ws)
+    assert (served.source, served.spec, served.version) == ("registry", str(newer), "v0002-b")
+    os.utime(ws.merged / "phoenix.json", (3000, 3000))  # merged again since
+    assert drafts.resolve_served(cfg, ws).source == "merged"
+
+    run = tmp_path / "runs" / "r1"
+    fake_model(run / "merged")
+    (run / "gate.json").write_text(json.dumps({"published": {"version": "v0001-r1"}}))
+    os.symlink("runs/r1", tmp_path / "current")
+    served = drafts.resolve_served(cfg, ws)
+    assert (served.source, served.spec, served.version) == (
+        "promoted",
+        str(run / "merged"),
+        "v0001-r1",
+    )
+    assert drafts.resolve_served(cfg_with("base"), ws).spec == "cut:1"
+
+
+def test_named_drafts_and_what_is_wrong_with_them(tmp_path):
+    ws = Workspace(tmp_path)
+    v1 = registry_version(tmp_path, "v0001-a", when=1000)
+    served = drafts.resolve_served(cfg_with("v0001"), ws)
+    assert (served.source, served.spec, served.version) == ("explicit", str(v1), "v0001-a")
+    assert drafts.resolve_served(cfg_with(str(v1)), ws).version == "v0001-a"
+
+    with pytest.raises(ConfigError, match="v0007.*versions there: v0001-a"):
+        drafts.resolve_served(cfg_with("v0007"), ws)
+    with pytest.raises(ConfigError, match="nope/missing-dir: no such directory"):
+        drafts.resolve_served(cfg_with(str(tmp_path / "nope" / "missing-dir")), ws)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ConfigError, match=f"{empty} holds no weights"):
+        drafts.resolve_served(cfg_with(str(empty)), ws)
+    broken = fake_model(tmp_path / "broken")
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=f"draft {broken} cannot be loaded"):
+        drafts.resolve_served(cfg_with(str(broken)), ws)
+    # latest pointing at a broken promoted run is an error too, never a silent base draft
+    os.symlink("runs/gone", tmp_path / "current")
+    with pytest.raises(ConfigError, match="points at run gone"):
+        drafts.resolve_served(cfg_with(), ws)
+
+
+def test_acceptance_is_named_only_for_the_exact_weights_benched(tmp_path):
+    ws = Workspace(tmp_path)
+    fake_model(ws.merged)
+    sha = drafts.weights_id(ws.merged)
+    results = {
+        "draft_weights": {"base": "0" * 64, "distilled": sha},
+        "rows": [
+            {"draft": "base", "mode": "fixed_4", "acceptance_rate": 0.05},
+            {"draft": "distilled", "mode": "fixed_2", "acceptance_rate": 0.5},
+            {"draft": "distilled", "mode": "fixed_4", "acceptance_rate": 0.25},
+        ],
+    }
+    ws.bench.mkdir()
+    ws.bench_results.write_text(json.dumps(results))
+    served = drafts.resolve_served(cfg_with(), ws)
+    assert (served.acceptance, served.acceptance_mode) == (0.25, "fixed_4")
+    assert "held-out acceptance 0.250 at fixed_4" in served.sentence()
+    (ws.merged / "model.safetensors").write_bytes(os.urandom(64))  # trained again, not benched
+    served = drafts.resolve_served(cfg_with(), ws)
+    assert served.acceptance is None and "no bench result" in served.sentence()
+
+
+def test_a_missing_or_unloadable_draft_exits_2_naming_it(cli, tmp_path):
+    res = cli(*CI, "--artifacts", str(tmp_path), "serve", "--set", "server.draft=/no/such/draft")
+    assert res.returncode == 2 and "/no/such/draft" in res.log
+    broken = fake_model(tmp_path / "broken")
+    (broken / "config.json").write_text("[]")
+    res = cli(*CI, "--artifacts", str(tmp_path), "serve", "--set", f"server.draft={broken}")
+    assert res.returncode == 2 and f"draft {broken} cannot be loaded" in res.log
+
+
+def served_acceptance(url: str, prompt: str) -> list[int]:
+    r = requests.post(
+        url + CHAT,
+        json={
+            "model": "tiny:layers=2,hidden=64,seed=0",
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 24,
+            "phoenix": {"mode": "fixed:4"},
+        },
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    ph = r.json()["phoenix"]
+    assert "token_ids" not in ph  # per-token ids only when asked for
+    return ph["accepted_per_position"]
+
+
+def expected_acceptance(cfg, ws, draft_spec: str, prompt: str) -> list[int]:
+    """The same request run in this process on a named draft: the served draft's fingerprint."""
+    from pipeline import models
+
+    pair = models.load_pair(cfg, ws, draft_spec)
+    ids = models.user_prompt_ids(pair.tokenizer, prompt, cfg.template_kwargs())
+    return pair.engine.generate(ids, 4, 24).accepted_per_position
+
+
+def test_serve_with_defaults_serves_the_merged_draft(merged_ws, tmp_path):
+    """`serve` with the config's defaults after merge: the merged draft, by its id in
+    /v1/models and by its acceptance; `base` and an explicit path serve what they name."""
+    from pipeline.server import build_app
+
+    ws = Workspace(merged_ws)
+    cfg = load_config("configs/ci.yaml")
+    prompts = [r["prompt"] for r in read_jsonl(ws.test_file)[:3]]
+    merged = [expected_acceptance(cfg, ws, str(ws.merged), p) for p in prompts]
+    base = [expected_acceptance(cfg, ws, cfg.models.draft, p) for p in prompts]
+    assert merged != base  # the fingerprint tells the two drafts apart
+
+    proc, url = start_serve(merged_ws, mode=None)
+    try:
+        entry = requests.get(url + "/v1/models", timeout=10).json()["data"][0]
+        draft = entry["metadata"]["draft"]
+        assert draft["spec"] == str(ws.merged) and draft["source"] == "merged"
+        assert draft["version"].startswith("v0001-")  # merge pushed it to the local registry
+        assert entry["metadata"]["target"] == cfg.models.target
+        assert [served_acceptance(url, p) for p in prompts] == merged
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert f"with draft {ws.merged} (latest: the newest verified merged draft" in err
+
+    copy = shutil.copytree(ws.merged, tmp_path / "my-draft")
+    for choice, spec, want in (("base", "cut:1", base), (str(copy), str(copy), merged)):
+        app = build_app(cfg_with(choice), ws)
+        with ServerThread(app) as s:
+            wait_http(s.url + "/health", timeout=60)
+            info = requests.get(s.url + "/v1/models", timeout=10).json()
+            assert info["data"][0]["metadata"]["draft"]["spec"] == spec
+            assert [served_acceptance(s.url, p) for p in prompts] == want
+
+
+def test_token_ids_only_when_asked(merged_ws):
+    from pipeline.server import build_app
+
+    with ServerThread(build_app(cfg_with("base"), Workspace(merged_ws), mode="target")) as s:
+        wait_http(s.url + "/health", timeout=60)
+        body = {
+            "model": "tiny:layers=2,hidden=64,seed=0",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 5,
+        }
+        plain = requests.post(s.url + CHAT, json=body, timeout=30).json()
+        asked = requests.post(
+            s.url + CHAT, json={**body, "phoenix": {"token_ids": True}}, timeout=30
+        ).json()
+        assert "token_ids" not in plain["phoenix"]
+        ids = asked["phoenix"]["token_ids"]
+        assert len(ids) == asked["usage"]["completion_tokens"] > 0
+        assert all(isinstance(t, int) for t in ids)
