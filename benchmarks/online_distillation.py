@@ -13,7 +13,7 @@ matrices, geometry). Why: the two families share the task format and the target 
 changes is the content (string methods, text vocabulary), the drift a served draft meets when
 its users' tasks move; a split by position in the file would shift nothing. The shifted family
 gives --fresh prompts that are never served (the acceptance measured before and after) and
---traffic prompts that the clients send.
+--traffic prompts that the clients send (195 shifted problems in all).
 
 Everything lives under DIR/online/, its own artifacts root:
  1. initial: the first --initial problems of the first family -> runs/initial: distill (the
@@ -175,7 +175,9 @@ def run_clients(client: Client, prompts: list[str], clients: int, mode: str) -> 
     return time.perf_counter() - t0
 
 
-def swap_under_load(client: Client, url: str, prompts: list[str], clients: int) -> dict:
+def swap_under_load(
+    client: Client, url: str, prompts: list[str], clients: int, max_tokens: int
+) -> dict:
     """Clients loop over `prompts` (bandit mode); at >= 20 admitted, ask for the reload; each
     client stops after its first reply that began after the reload was answered."""
     swapped_at: list[float] = []
@@ -185,7 +187,7 @@ def swap_under_load(client: Client, url: str, prompts: list[str], clients: int) 
     def worker() -> None:
         while True:
             started = time.monotonic()
-            client.ask(prompts[next(counter) % len(prompts)], "bandit")
+            client.ask(prompts[next(counter) % len(prompts)], "bandit", max_tokens)
             if swapped_at and started > swapped_at[0]:
                 return
             if stop.is_set():
@@ -222,12 +224,14 @@ def main() -> None:
     ap.add_argument("--config", default="configs/default.yaml")
     ap.add_argument("--artifacts", default="artifacts")
     ap.add_argument("--initial", type=int, default=64, help="initial draft: problems distilled")
-    ap.add_argument("--traffic", type=int, default=112, help="shifted prompts served as traffic")
+    ap.add_argument("--traffic", type=int, default=160, help="shifted prompts served as traffic")
     ap.add_argument("--fresh", type=int, default=24, help="shifted prompts never served")
     ap.add_argument("--clients", type=int, default=24)
     ap.add_argument("--tokens", type=int, default=128, help="max_tokens of traffic requests")
     ap.add_argument("--eval-tokens", type=int, default=64, help="max_tokens when measuring")
-    ap.add_argument("--epochs", type=int, default=2, help="train.epochs of both trainings")
+    ap.add_argument("--epochs", type=int, default=2, help="train.epochs of the initial draft")
+    ap.add_argument("--retrain-epochs", type=int, default=3, help="train.epochs on the traffic")
+    ap.add_argument("--swap-tokens", type=int, default=48, help="max_tokens while swapping")
     args = ap.parse_args()
     args.online = Path(args.artifacts) / "online"
     args.online.mkdir(parents=True, exist_ok=True)
@@ -303,6 +307,7 @@ def main() -> None:
         # 5. retrain on what was captured
         # The gate's bench: target and fixed:4 rows for both drafts (and their bandit rows).
         sets = [*common, "retrain.data=traffic", "retrain.min_gain=0.0", "bench.fixed_arms=[4]"]
+        sets.append(f"train.epochs={args.retrain_epochs}")  # the later --set wins
         t0 = time.perf_counter()
         cmd = [sys.executable, "-m", "pipeline", "retrain", "--config", args.config]
         cmd += ["--artifacts", str(args.online)]
@@ -317,7 +322,7 @@ def main() -> None:
 
         # 6. swap while traffic is in flight
         t0 = time.perf_counter()
-        swap = swap_under_load(client, url, traffic_prompts, args.clients)
+        swap = swap_under_load(client, url, traffic_prompts, args.clients, args.swap_tokens)
         timings["swap_phase_s"] = time.perf_counter() - t0
         draft_after = requests.get(url + "/v1/models", timeout=10).json()["data"][0]["metadata"]
 

@@ -231,6 +231,7 @@ class TargetBatcher:
         self.gather_s = gather_s
         self.heartbeat = heartbeat or Heartbeat()
         self.queue: queue.Queue[BatchSlot] = queue.Queue()
+        self.yield_to: threading.Event | None = None  # set: step after it clears
         self.max_rows = 0  # the most rows one step carried
         self._active = 0  # rows generating now
         threading.Thread(target=self._work, name="phoenix-batcher", daemon=True).start()
@@ -288,6 +289,8 @@ class TargetBatcher:
             )
             if batch.active >= self.max_batch:
                 self._fail_cancelled_waiting()
+            while self.yield_to is not None and self.yield_to.is_set():
+                time.sleep(0.005)  # a draft swap waits for the lock: let it go first
             try:
                 with self.lock:
                     for slot in batch.drop(lambda s: s.cancelled):
@@ -346,6 +349,7 @@ class ServingCore:
         self._inflight = 0  # requests inside generate (the policy's load context)
         self._count_lock = threading.Lock()
         self.lock = threading.Lock()
+        self._swap_waiting = threading.Event()  # a draft swap waits for the lock: it goes next
         self._in_engine = False  # a speculative generation holds the lock
         self.heartbeat = Heartbeat()
         self.batcher = (
@@ -353,6 +357,8 @@ class ServingCore:
             if max_batch > 1
             else None
         )
+        if self.batcher is not None:
+            self.batcher.yield_to = self._swap_waiting
         if state_file is not None:
             outcome = load_bandit(bandit, state_file)
             log.info("bandit state %s: %s", state_file, outcome)
@@ -495,7 +501,11 @@ class ServingCore:
         `prepare(engine)` runs under the lock first (compiling and warming the new draft's
         steps share the target's static cache). The draft arms' statistics start over; the
         drift guard forgets its speculative window. Returns the seconds generation waited."""
-        self._acquire(None)
+        self._swap_waiting.set()  # requests not yet generating wait: the swap goes next
+        try:
+            self._acquire(None, swap=True)
+        finally:
+            self._swap_waiting.clear()
         t0 = time.perf_counter()
         try:
             if prepare is not None:
@@ -514,11 +524,18 @@ class ServingCore:
             self.lock.release()
         return time.perf_counter() - t0
 
-    def _acquire(self, cancel: threading.Event | None, poll_s: float = 0.05) -> None:
-        """Take the generation lock; give up with `Cancelled` if the caller cancels meanwhile."""
+    def _acquire(
+        self, cancel: threading.Event | None, poll_s: float = 0.05, swap: bool = False
+    ) -> None:
+        """Take the generation lock; give up with `Cancelled` if the caller cancels meanwhile.
+        While a draft swap waits for the lock, requests let it go first (else a busy server
+        would make it wait behind every queued request)."""
         while True:
             if cancel is not None and cancel.is_set():
                 raise Cancelled("cancelled while waiting for the generation lock")
+            if not swap and self._swap_waiting.is_set():
+                time.sleep(poll_s)
+                continue
             if self.lock.acquire(timeout=poll_s):
                 return
 

@@ -213,3 +213,27 @@ def test_token_ids_only_when_asked(merged_ws):
         ids = asked["phoenix"]["token_ids"]
         assert len(ids) == asked["usage"]["completion_tokens"] > 0
         assert all(isinstance(t, int) for t in ids)
+
+
+def test_demo_ends_with_the_three_lines_a_user_needs(tmp_path, monkeypatch):
+    """serve, a request the served model answers (the curl's body is valid JSON for this
+    config), and the report; a key set in the environment is named, never printed."""
+    import argparse
+    import shlex
+
+    from pipeline.__main__ import next_steps
+
+    monkeypatch.setenv("PHOENIX_API_KEY", "do-not-print-me")
+    cfg = load_config("configs/default.yaml")
+    args = argparse.Namespace(config="configs/default.yaml", artifacts="artifacts")
+    text = next_steps(cfg, Workspace("artifacts"), args)
+    lines = [x.strip() for x in text.strip().splitlines()]
+    assert lines[1].startswith("make serve    #") and "report: artifacts/bench/report.md" in lines
+    curl = shlex.split(lines[2])
+    assert curl[:3] == ["curl", "-s", "http://127.0.0.1:8000/v1/chat/completions"]
+    body = json.loads(curl[curl.index("-d") + 1])
+    assert body["model"] == "embedded:smollm2-135m-instruct" and body["messages"]
+    assert "Bearer $PHOENIX_API_KEY" in lines[2] and "do-not-print-me" not in text
+    other = argparse.Namespace(config="configs/ci.yaml", artifacts=str(tmp_path))
+    text = next_steps(load_config("configs/ci.yaml"), Workspace(tmp_path), other)
+    assert f"make serve CONFIG=configs/ci.yaml ARTIFACTS={tmp_path}" in text
