@@ -70,7 +70,8 @@ class DraftReloader:
             old = core.draft_id
             try:
                 served = resolve_served(self.cfg, self.ws)
-                if same_draft(served.spec, core.pair.draft_ref):
+                ref = models.resolve(served.spec, self.ws.models_cache, core.pair.target_ref)
+                if same_draft(ref, core.pair.draft_ref):
                     out = {"reloaded": False, "reason": "already serving it", "draft": old}
                     self.last = out
                     return out

@@ -321,6 +321,7 @@ def test_every_measured_mode_is_warmed_up_first(merged_ws, tmp_path, monkeypatch
     assert all(t == n for _, t in calls[11:]) and len(calls) == 13
 
 
+@pytest.mark.slow  # a script smoke run (7 s): make test-slow
 def test_gpu_script_runs_on_the_cpu(tmp_path, mbpp_path):
     """benchmarks/gpu.sh --device cpu --quick: the GPU evidence script's own path, end to end
     (setup found, the engine benchmark splitting its workspace and timing generation eager and

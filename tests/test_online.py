@@ -259,7 +259,7 @@ def test_retrain_learns_from_captured_traffic_without_a_teacher(merged_ws, tmp_p
     prompts = [r["prompt"] for r in read_jsonl(Path(merged_ws) / "data" / "test.jsonl")]
     with ServerThread(build_app(cfg, ws, mode="target")) as s:
         wait_http(s.url + "/health", timeout=60)
-        for p in prompts[:44]:
+        for p in prompts[:30]:
             r = requests.post(
                 s.url + CHAT,
                 json={
@@ -280,7 +280,9 @@ def test_retrain_learns_from_captured_traffic_without_a_teacher(merged_ws, tmp_p
         "--set",
         "retrain.data=traffic",
         "--set",
-        "retrain.traffic_test_size=8",
+        "retrain.traffic_test_size=6",
+        "--set",
+        "retrain.traffic_min_records=20",
         "--set",
         "teacher.url=http://127.0.0.1:9/v1",  # nobody there: a teacher call would fail
         "--set",
@@ -288,16 +290,16 @@ def test_retrain_learns_from_captured_traffic_without_a_teacher(merged_ws, tmp_p
     )
     res = cli(*args, "retrain")
     assert res.returncode == 0, res.log[-3000:]
-    assert "36 new trainable record(s) and 8 to hold out" in res.log and "1 bad line" in res.log
+    assert "24 new trainable record(s) and 6 to hold out" in res.log and "1 bad line" in res.log
     run = retrain.current_run(art)
     run_dir = art / "runs" / run
-    assert len(read_jsonl(run_dir / "teacher" / "answers.jsonl")) == 36
+    assert len(read_jsonl(run_dir / "teacher" / "answers.jsonl")) == 24
     test_rows = read_jsonl(run_dir / "data" / "test.jsonl")
-    assert len(test_rows) == 8 and all("prompt_token_ids" in r for r in test_rows)
+    assert len(test_rows) == 6 and all("prompt_token_ids" in r for r in test_rows)
     gate = json.loads((run_dir / "gate.json").read_text())
     assert gate["promoted"] and gate["baseline"] == "the base draft on the held-out traffic"
     results = json.loads((run_dir / "bench" / "results.json").read_text())
-    assert results["protocol"]["prompts"] == 8 and results["lossless"]
+    assert results["protocol"]["prompts"] == 6 and results["lossless"]
 
     res = cli(*args, "retrain")  # no traffic since the promoted run
     assert res.returncode == 0 and "nothing to do: 0 new trainable record(s)" in res.log
@@ -309,3 +311,24 @@ def test_bad_traffic_settings_exit_2(cli, tmp_path, value):
     key = "traffic.capture" if value == "maybe" else "retrain.traffic_test_size"
     res = cli(*CI, "--artifacts", str(tmp_path), "retrain", "--set", f"{key}={value}")
     assert res.returncode == 2 and key in res.log
+
+
+def test_reload_endpoint_needs_the_key_and_keeps_an_unchanged_draft(tmp_path, monkeypatch):
+    monkeypatch.setenv("PHX_RELOAD_KEY", "k3y")
+    cfg = load_config("configs/ci.yaml", ["server.api_key_env=PHX_RELOAD_KEY"])
+    with ServerThread(build_app(cfg, Workspace(tmp_path))) as s:
+        wait_http(s.url + "/health", timeout=60)
+        r = requests.post(s.url + "/admin/reload-draft", timeout=30)
+        assert r.status_code == 401 and "k3y" not in r.text
+        r = requests.post(
+            s.url + "/admin/reload-draft", headers={"Authorization": "Bearer k3y"}, timeout=60
+        )
+        assert r.status_code == 200
+        assert r.json() == {"reloaded": False, "reason": "already serving it", "draft": "cut:1"}
+    target_only = build_app(cfg, Workspace(tmp_path), mode="target")
+    with ServerThread(target_only) as s:
+        wait_http(s.url + "/health", timeout=60)
+        r = requests.post(
+            s.url + "/admin/reload-draft", headers={"Authorization": "Bearer k3y"}, timeout=60
+        )
+        assert r.status_code == 400 and "without a draft" in r.json()["error"]["message"]
