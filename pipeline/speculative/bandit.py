@@ -141,18 +141,17 @@ class EpsilonGreedy:
     def _forget_more(self, arms) -> None:
         pass
 
-    def _rewarm(self) -> Hashable | None:
-        """The next forgotten arm to pull again, if any (under the lock)."""
+    def _warmup_arm(self) -> Hashable | None:
+        """Under the lock: the next warm-up arm (every arm in turn), then any forgotten arm to
+        pull again; None once there is none."""
+        if self.warmup_issued < self.warmup_pulls * len(self.arms):
+            self.warmup_issued += 1
+            return self.arms[(self.warmup_issued - 1) % len(self.arms)]
         return self.rewarm.pop(0) if self.rewarm else None
 
     def choose(self, context: Context | None = None) -> Decision:
         with self._lock:
-            warm_total = self.warmup_pulls * len(self.arms)
-            if self.warmup_issued < warm_total:
-                arm = self.arms[self.warmup_issued % len(self.arms)]
-                self.warmup_issued += 1
-                return self._decision(arm, explored=True, warmup=True, eps=1.0)
-            if (arm := self._rewarm()) is not None:
+            if (arm := self._warmup_arm()) is not None:
                 return self._decision(arm, explored=True, warmup=True, eps=1.0)
             eps = self.epsilon()
             explored = self.rng.random() < eps
@@ -273,12 +272,7 @@ class ContextualBandit(EpsilonGreedy):
 
     def choose(self, context: Context | None = None) -> Decision:
         with self._lock:
-            warm_total = self.warmup_pulls * len(self.arms)
-            if self.warmup_issued < warm_total:
-                arm = self.arms[self.warmup_issued % len(self.arms)]
-                self.warmup_issued += 1
-                return self._decision(arm, True, True, 1.0, context)
-            if (arm := self._rewarm()) is not None:
+            if (arm := self._warmup_arm()) is not None:
                 return self._decision(arm, True, True, 1.0, context)
             eps = self.epsilon()
             explored = self.rng.random() < eps
