@@ -372,6 +372,7 @@ def load_test(
             "model": model,
             "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
             "max_tokens": cfg.bench.max_new_tokens,
+            "phoenix": {"capture": False},  # held-out prompts: never training data
         }
         t0 = time.perf_counter()
         try:

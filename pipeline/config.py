@@ -392,6 +392,12 @@ class Config(Section):
         t = self.train
         if self.kd_source() != "teacher":
             return self
+        if self.retrain.data == "traffic":
+            raise ValueError(
+                "retrain.data=traffic: captured answers carry no teacher logprobs, which "
+                f"train.objective={t.objective} with a teacher source needs; use "
+                "train.objective=sft or train.kd_source=target"
+            )
         if t.top_logprobs is None:
             raise ValueError(
                 f"train.objective={t.objective} with train.kd_source=teacher needs "

@@ -38,6 +38,8 @@ class DraftReloader:
         self._lock = threading.Lock()  # one reload at a time
         self._seen = self.pointer()
         self.last: dict[str, Any] | None = None
+        self._retry_at = 0.0  # after a failed reload: when the watcher tries again
+        self._backoff = 0.0
 
     def pointer(self) -> str | None:
         """What the watcher compares: where <artifacts>/current points."""
@@ -48,10 +50,17 @@ class DraftReloader:
         def loop() -> None:
             while not stop.wait(poll_s):
                 now = self.pointer()
-                if now != self._seen and self.get_core() is not None:
-                    self._seen = now
-                    log.info("draft reload: %s/current now points at %s", self.ws.root, now)
-                    self.reload("current changed")
+                if now == self._seen or self.get_core() is None:
+                    continue
+                if time.monotonic() < self._retry_at:
+                    continue
+                log.info("draft reload: %s/current now points at %s", self.ws.root, now)
+                if "error" in self.reload("current changed"):
+                    # Retried (a transient failure: memory, a copy still landing), less often.
+                    self._backoff = min(300.0, max(poll_s, self._backoff * 2 or poll_s))
+                    self._retry_at = time.monotonic() + self._backoff
+                else:
+                    self._seen, self._backoff = now, 0.0
 
         thread = threading.Thread(target=loop, name="phoenix-draft-watch", daemon=True)
         thread.start()
@@ -83,8 +92,7 @@ class DraftReloader:
                     def prepare(engine):  # under the generation lock (shared static cache)
                         models.compile_engine(self.cfg, self.ws, engine, arms)
 
-                waited = core.swap_draft(pair.engine, served.label, served.describe(), prepare)
-                core.pair = pair
+                waited = core.swap_draft(pair, served.label, served.describe(), prepare)
             except Exception as exc:  # noqa: BLE001 - whatever failed, the old draft serves on
                 self.metrics.draft_reloads.labels(outcome="failed").inc()
                 # Sentry first, with its tags: the logging integration's copy of the same

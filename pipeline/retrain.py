@@ -250,6 +250,7 @@ def promote_or_reject(cfg: Config, root: Path, ws: Workspace, run_id: str) -> di
             update={"publish": cfg.publish.model_copy(update={"registry": str(root / "registry")})}
         )
     decision["published"] = publish.publish(pub_cfg, ws, ws.merged, rid=run_id)
+    atomic_write_json(ws.root / "gate.json", decision)  # with the version the server names
     point_current(root, run_id)
     log.info("gate: %s; promoted run %s", decision["reason"], run_id)
     return decision
@@ -269,15 +270,19 @@ def online_start(cfg: Config, root: Path, ws: Workspace) -> float:
 
 
 def traffic_stage_config(cfg: Config, root: Path) -> Config:
-    """retrain.data=traffic: train on from the promoted draft (its real path, so a later
-    promotion does not change this run's inputs), and bench it as "base" beside the new one."""
-    current = current_run(root)
+    """retrain.data=traffic: train on from the draft `serve` would serve (server.draft: latest:
+    the promoted one, else the newest verified merged one, else models.draft; its real path, so
+    a later promotion does not change this run's inputs), and bench it as "base" beside the
+    new one: the gate compares the new draft with the one it would replace."""
+    from . import drafts
+
+    latest = cfg.model_copy(update={"server": cfg.server.model_copy(update={"draft": "latest"})})
+    served = drafts.resolve_served(latest, Workspace(root))
     update: dict[str, Any] = {
         "bench": cfg.bench.model_copy(update={"drafts": ["base", "distilled"]})
     }
-    if current is not None:
-        promoted = (root / "runs" / current / "merged").resolve()
-        update["models"] = cfg.models.model_copy(update={"draft": str(promoted)})
+    if served.source != "base":
+        update["models"] = cfg.models.model_copy(update={"draft": str(Path(served.spec).resolve())})
     return cfg.model_copy(update=update)
 
 
@@ -292,14 +297,25 @@ def enough_traffic(cfg: Config, root: Path) -> tuple[bool, str]:
     """Whether a traffic run has something to learn (before a run folder is made)."""
     current = current_run(root)
     since = traffic.watermark(root / "runs" / current) if current else 0.0
+    # A rejected run is not retried on the same records: enough must be newer than the last
+    # run that ended, too.
+    ended = [
+        traffic.watermark(d)
+        for d in (root / "runs").glob("*")
+        if (d / "run.json").is_file()
+        and json.loads((d / "run.json").read_text()).get("status") in ("promoted", "rejected")
+    ]
+    last = max([since, *ended])
     folder = traffic.traffic_folder(cfg, root)
     records, skipped = traffic.read_traffic(folder)
     r = cfg.retrain
     train, test = traffic.select(records, since, r.traffic_test_size)
-    ok = len(train) >= r.traffic_min_records and len(test) > 0
+    fresh = sum(1 for x in records if x["ts"] > last and traffic.trainable(x))
+    ok = len(train) >= r.traffic_min_records and len(test) > 0 and fresh >= r.traffic_min_records
     return ok, (
         f"{len(train)} new trainable record(s) and {len(test)} to hold out under {folder} "
-        f"since {'run ' + current if current else 'the start'} ({skipped} bad line(s) skipped); "
+        f"since {'run ' + current if current else 'the start'}, {fresh} newer than the last run "
+        f"that ended ({skipped} bad line(s) skipped); "
         f"retrain.traffic_min_records is {r.traffic_min_records}"
     )
 

@@ -493,9 +493,7 @@ class ServingCore:
             tracker.text, finish, mode, result, decision, tracker.stopped, event, draft_id
         )
 
-    def swap_draft(
-        self, engine: SpeculativeEngine, draft_id: str, draft_info: dict, prepare=None
-    ) -> float:
+    def swap_draft(self, pair: models.Pair, draft_id: str, draft_info: dict, prepare=None) -> float:
         """Serve `engine` (same target, a new draft) from the next request on: taken between
         requests (the generation lock), so a running generation finishes on the old draft.
         `prepare(engine)` runs under the lock first (compiling and warming the new draft's
@@ -508,9 +506,10 @@ class ServingCore:
             self._swap_waiting.clear()
         t0 = time.perf_counter()
         try:
+            engine = pair.engine
             if prepare is not None:
                 prepare(engine)
-            self.engine = engine
+            self.engine, self.pair = engine, pair
             if self.batcher is not None:
                 self.batcher.engine = engine  # same target; a running batch finishes as it is
             self.draft_id, self.draft_info = draft_id, draft_info
@@ -518,10 +517,13 @@ class ServingCore:
             self.bandit.forget([a for a in self.bandit.arms if parse_arm(a).needs_draft])
             if self.guard is not None:
                 self.guard.reset_speculative()
-            if self.state_file is not None:
-                save_bandit(self.bandit, self.state_file)
         finally:
             self.lock.release()
+        if self.state_file is not None:
+            try:  # the swap has happened; a state file that cannot be written does not undo it
+                save_bandit(self.bandit, self.state_file)
+            except OSError as exc:
+                log.warning("bandit state %s not saved after the swap: %s", self.state_file, exc)
         return time.perf_counter() - t0
 
     def _acquire(

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -64,6 +65,7 @@ class TrafficLog:
         self.paused_until = 0.0
         self._lock = threading.Lock()
         self._file = None
+        self._closed = False  # after close(): a late request's record is dropped, not reopened
         self._seq = max((_seq_of(p) for p in self.folder.glob(f"{PREFIX}*.jsonl")), default=0)
 
     @property
@@ -73,7 +75,7 @@ class TrafficLog:
     def append(self, record: dict) -> bool:
         line = json.dumps(record, separators=(",", ":")) + "\n"
         with self._lock:
-            if self.paused:
+            if self.paused or self._closed:
                 self.dropped += 1
                 return False
             try:
@@ -102,7 +104,9 @@ class TrafficLog:
         self.folder.mkdir(parents=True, exist_ok=True)
         self._seq += 1
         path = self.folder / f"{PREFIX}{self._seq:06d}.jsonl"
-        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - held open across calls
+        # Prompts are users' data: readable by the server's user only.
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._file = open(fd, "a", encoding="utf-8")  # noqa: SIM115 - held open across calls
         files = sorted(self.folder.glob(f"{PREFIX}*.jsonl"), key=_seq_of)
         for old in files[: max(0, len(files) - self.max_files)]:
             old.unlink(missing_ok=True)
@@ -117,6 +121,7 @@ class TrafficLog:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._close()
 
 

@@ -257,10 +257,13 @@ def test_drift_guard_falls_back_cools_down_and_probes():
     ev = g.observe(False, True, 1.0) or g.observe(False, True, 1.0) or g.observe(False, True, 1.0)
     assert ev["event"] == "fallback" and ev["plain_tps"] == 10.0 and ev["cooldown_requests"] == 2
     assert g.active and g.hold() and g.hold() and not g.hold()  # two plain requests, then probe
+    assert [g.probe() for _ in range(3)] == [True, True, False]  # min_samples probes at most
     assert g.observe(False, True, 5.0) is None  # one probe sample: not judged yet
     ev = g.observe(False, True, 5.0)
     assert ev["event"] == "fallback" and ev["cooldown_requests"] == 4  # failed probe: doubled
+    assert not g.probe()  # cooling down again
     assert g.hold() and g.hold() and g.hold() and g.hold() and not g.hold()
+    assert g.probe()  # a new probe
     g.observe(False, True, 15.0)
     assert g.observe(False, True, 15.0)["event"] == "recovered"
     assert g.observe(False, True, 15.0) is None  # recovered once, then quiet

@@ -357,6 +357,7 @@ class DriftGuard:
     remaining: int = 0  # requests left in the cool-down
     fallbacks: int = 0
     probing: bool = False
+    probes: int = 0  # probe decisions handed out in this probe
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -371,13 +372,17 @@ class DriftGuard:
             self.remaining -= 1
             if self.remaining == 0:
                 self.spec.clear()
-                self.probing = True
+                self.probing, self.probes = True, 0
             return True
 
     def probe(self) -> bool:
-        """Whether this request should probe speculation (after a cool-down, until judged)."""
+        """Whether this request should probe speculation: after a cool-down, at most
+        `min_samples` requests, which the window then judges."""
         with self._lock:
-            return self.probing and self.remaining <= 0
+            if not self.probing or self.remaining > 0 or self.probes >= self.min_samples:
+                return False
+            self.probes += 1
+            return True
 
     def observe(self, plain: bool, exploited: bool, reward: float) -> dict | None:
         """One bandit request's tokens/s. Returns an event dict ("fallback" or "recovered",

@@ -239,7 +239,9 @@ class SpeculativeEngine:
         self._target_step, self._draft_step = target_logits, draft_token
         self.compiled = False
         self.max_feed = 0  # feeds up to this long use the step functions; longer ones: eager
-        self._shared = share_target
+        # The engine that owns the target's cache: the root of a chain of sharers, so an engine
+        # built over a swapped-in draft does not keep every earlier draft alive.
+        self._shared = getattr(share_target, "_shared", None) or share_target
         if share_target is not None:
             if share_target.target is not target or share_target.static_len != self.static_len:
                 raise ValueError("share_target: another target, or another static cache length")
