@@ -355,3 +355,49 @@ def test_reload_endpoint_needs_the_key_and_keeps_an_unchanged_draft(tmp_path, mo
             s.url + "/admin/reload-draft", headers={"Authorization": "Bearer k3y"}, timeout=60
         )
         assert r.status_code == 400 and "without a draft" in r.json()["error"]["message"]
+
+
+def test_a_waiting_swap_goes_before_queued_requests_and_old_rewards_are_dropped(tiny_models):
+    """One request generates on the old draft while five wait for the lock: the swap goes
+    next, so the five run on the new draft; the old draft's reward, arriving after the swap, is
+    not credited to the new one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pipeline.serving import fixed
+    from pipeline.speculative.engine import SpeculativeEngine
+    from tests.servers import Valve, tiny_core
+
+    tok, target, draft = tiny_models
+    core = tiny_core(tiny_models)
+    core.draft_id = "old"
+    core.bandit.warmup_issued = 1  # the first request's warm-up arm: draft:2 (arms[1])
+    ids = core.text_prompt_ids("def add(a, b):")
+    valve = Valve(target)
+    try:
+        valve.close()  # the first generation holds the lock until the valve opens
+        with ThreadPoolExecutor(6) as pool:
+            first = pool.submit(core.generate, ids, 8, core.mode("bandit"))
+            deadline = time.monotonic() + 30
+            while not core._in_engine and time.monotonic() < deadline:
+                time.sleep(0.01)
+            waiting = [pool.submit(core.generate, ids, 8, fixed("draft:2")) for _ in range(5)]
+            time.sleep(0.3)  # all five are waiting for the lock now
+            new = models_pair(tok, SpeculativeEngine(target, draft, [tok.eos_token_id]))
+            swap = threading.Thread(target=core.swap_draft, args=(new, "new", {"spec": "new"}))
+            swap.start()
+            time.sleep(0.3)  # the swap waits for the lock too
+            valve.open()
+            swap.join(timeout=60)
+            results = [f.result(timeout=60) for f in [first, *waiting]]
+    finally:
+        valve.remove()
+    assert results[0].draft == "old" and all(r.draft == "new" for r in results[1:])
+    assert results[0].decision.arm == "draft:2" and core.draft_epoch == 1
+    assert core.bandit.counts["draft:2"] == 0  # forgotten, and the old draft's reward dropped
+    assert set(core.bandit.rewarm) == {"draft:2", "draft:4", "draft:6", "draft:8"}  # not ngram
+
+
+def models_pair(tok, engine):
+    from pipeline.models import Pair
+
+    return Pair(tok, engine, "tiny", "new-draft")
