@@ -234,10 +234,11 @@ def test_performance_benchmark_reports_the_three_figures(merged_ws, tmp_path):
     assert perf["teacher"]["speedup"] == many["answers_per_minute"] / one["answers_per_minute"]
     band = perf["bandit"]
     assert band["prompts"] == 12 and band["lossless"] is True
-    assert band["configured"]["explore"] == "uniform"  # configs/ci.yaml keeps the seed's
-    assert band["seed"]["explore"] == "uniform" and band["seed"]["post_warmup_requests"] == 2
+    assert band["configured"]["explore"] == "plausible"  # bandit.policy, ci.yaml's default
+    # 12 prompts, one warm-up pull for each of the 5 default arms
+    assert band["seed"]["explore"] == "seed" and band["seed"]["post_warmup_requests"] == 12 - 5
     md = (art / "perf" / "performance.md").read_text()
-    assert md in r.stdout and "| 1. self-draft fixed_4" in md and "| seed (explore: uniform)" in md
+    assert md in r.stdout and "| 1. self-draft fixed_4" in md and "| seed (policy: seed)" in md
 
 
 def _runner_up_corruption(monkeypatch, target_model):
