@@ -37,7 +37,6 @@ class DraftReloader:
         self.metrics = metrics
         self._lock = threading.Lock()  # one reload at a time
         self._seen = self.pointer()
-        self.last: dict[str, Any] | None = None
         self._retry_at = 0.0  # after a failed reload: when the watcher tries again
         self._backoff = 0.0
 
@@ -81,9 +80,7 @@ class DraftReloader:
                 served = resolve_served(self.cfg, self.ws)
                 ref = models.resolve(served.spec, self.ws.models_cache, core.pair.target_ref)
                 if same_draft(ref, core.pair.draft_ref):
-                    out = {"reloaded": False, "reason": "already serving it", "draft": old}
-                    self.last = out
-                    return out
+                    return {"reloaded": False, "reason": "already serving it", "draft": old}
                 pair = models.load_pair(self.cfg, self.ws, served.spec, share_target=core.pair)
                 prepare = None
                 if core.engine.compiled:
@@ -104,9 +101,7 @@ class DraftReloader:
                     exc=exc,
                 )
                 log.exception("draft reload failed (%s); still serving %s", reason, old)
-                out = {"reloaded": False, "error": f"{type(exc).__name__}: {exc}", "draft": old}
-                self.last = out
-                return out
+                return {"reloaded": False, "error": f"{type(exc).__name__}: {exc}", "draft": old}
             seconds = time.perf_counter() - t0
             self.metrics.set_draft(served.label, served.source)
             self.metrics.draft_reloads.labels(outcome="ok").inc()
@@ -123,7 +118,7 @@ class DraftReloader:
                 level="info",
                 tags={"draft_reload": "ok", "draft_version": served.label},
             )
-            out = {
+            return {
                 "reloaded": True,
                 "draft": served.label,
                 "previous": old,
@@ -131,5 +126,3 @@ class DraftReloader:
                 "seconds": round(seconds, 3),
                 "paused_s": round(waited, 3),
             }
-            self.last = out
-            return out

@@ -60,7 +60,6 @@ class TrafficLog:
         self.max_file_bytes = max_file_bytes
         self.max_files = max_files
         self.pause_s = pause_s
-        self.captured = 0
         self.dropped = 0  # records lost while paused (disk full)
         self.paused_until = 0.0
         self._lock = threading.Lock()
@@ -96,7 +95,6 @@ class TrafficLog:
                     self.dropped,
                 )
                 return False
-            self.captured += 1
             return True
 
     def _rotate(self) -> None:
