@@ -42,7 +42,7 @@ split distill train merge bench serve retrain: setup
 
 # Issue 9's performance figures against their goals (needs `make merge` first).
 perf: setup
-	$(PY) benchmarks/performance.py --config $(CONFIG) --artifacts $(ARTIFACTS)
+	$(PY) -m benchmarks.performance --config $(CONFIG) --artifacts $(ARTIFACTS)
 
 clean:
 	rm -rf $(VENV)

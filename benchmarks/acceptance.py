@@ -2,10 +2,10 @@
 wall-clock budget, then measured in the engine on held-out prompts. A benchmark, not a test.
 
     # measure drafts that exist (specs or merged directories)
-    .venv/bin/python benchmarks/acceptance.py --artifacts artifacts --drafts cut:4 artifacts/merged
+    .venv/bin/python -m benchmarks.acceptance --artifacts artifacts --drafts cut:4 artifacts/merged
 
     # train every arm, then measure them all (resumable: finished arms are reused)
-    .venv/bin/python benchmarks/acceptance.py --artifacts artifacts --train \
+    .venv/bin/python -m benchmarks.acceptance --artifacts artifacts --train \
         [--arms sft@4 kd@4 kd-top20@4 on-policy@4 sft@6 ...] [--answers 96] [--budget-s 240] \
         [--prompts 16] [--tokens 48] [--k 4]
 
@@ -27,15 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from engine import step_ms  # benchmarks/engine.py
-
+from benchmarks.common import environment, header, run_stage, step_ms, write_results
 from pipeline import models
-from pipeline.bench import environment, prompt_ids
+from pipeline.bench import prompt_ids
 from pipeline.config import load_config
 from pipeline.workspace import Workspace, atomic_write_json, atomic_write_text, read_jsonl
 
@@ -59,20 +56,6 @@ def arm_settings(arm: str) -> list[str]:
     if cut:
         sets.append(f"models.draft=cut:{int(cut)}")
     return sets
-
-
-def pipeline_cmd(stage: str, config: str, root: Path, sets: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "pipeline", stage, "--config", config, "--artifacts", str(root)]
-    for s in sets:
-        cmd += ["--set", s]
-    return cmd
-
-
-def run_quiet(cmd: list[str], log: Path) -> None:
-    with open(log, "ab") as f:
-        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT)
-    if rc != 0:
-        sys.exit(f"{' '.join(cmd[2:5])} failed (exit {rc}); see {log}")
 
 
 def prepare(ws: Workspace, arm_root: Path, answers: int, shared_cache: Path) -> None:
@@ -99,15 +82,15 @@ def train_arm(args, ws: Workspace, arm: str) -> dict:
     log = root / "arm.log"
     sets = arm_settings(arm) + ["train.method=full", "train.save_steps=100000", *args.set]
     print(f"[{arm}] calibrating ({' '.join(sets)})", flush=True)
-    run_quiet(pipeline_cmd("train", args.config, root, sets + ["train.max_steps=4"]), log)
+    run_stage("train", args.config, root, sets + ["train.max_steps=4"], log)
     cal = json.loads((arm_ws.adapter / "metrics.json").read_text())
     per_step = cal["runtime_s"] / cal["global_steps"]
     steps = max(1, int((args.budget_s - cal.get("target_top_s", 0.0)) / per_step))
     print(f"[{arm}] {per_step:.2f} s/step -> {steps} steps", flush=True)
     t0 = time.perf_counter()
-    run_quiet(pipeline_cmd("train", args.config, root, sets + [f"train.max_steps={steps}"]), log)
+    run_stage("train", args.config, root, sets + [f"train.max_steps={steps}"], log)
     metrics = json.loads((arm_ws.adapter / "metrics.json").read_text())
-    run_quiet(pipeline_cmd("merge", args.config, root, sets + ["publish.target=none"]), log)
+    run_stage("merge", args.config, root, sets + ["publish.target=none"], log)
     row = {
         "arm": arm,
         "settings": sets,
@@ -130,10 +113,10 @@ def train_arm(args, ws: Workspace, arm: str) -> dict:
     return row
 
 
-def measure(cfg, ws: Workspace, target, spec: str, args) -> dict:
+def measure(cfg, ws: Workspace, target, spec: str, args, full_head: bool = False) -> dict:
     """Acceptance at fixed k on the held-out prompts, overall and per position, and the
-    draft's step cost (eager, one token, the config's pruned head)."""
-    pair = models.load_pair(cfg, ws, spec, share_target=target)
+    draft's step cost (eager, one token, the config's pruned head unless `full_head`)."""
+    pair = models.load_pair(cfg, ws, spec, share_target=target, full_head=full_head)
     eng = pair.engine
     ids = prompt_ids(cfg, target.tokenizer, read_jsonl(ws.test_file)[: args.prompts])
     acc = prop = 0
@@ -147,8 +130,8 @@ def measure(cfg, ws: Workspace, target, spec: str, args) -> dict:
         ):
             pos_acc[i] += a
             pos_prop[i] += n
-    draft_ms = step_ms(eng, "draft", ids[0], 30)
-    target_ms = step_ms(eng, "target", ids[0], 30)
+    draft_ms = step_ms(eng.drafter.step, ids[0], 30, feed=0)
+    target_ms = step_ms(eng.target_step, ids[0], 30)
     return {
         "acceptance": acc / prop if prop else None,
         "accepted": acc,
@@ -206,8 +189,7 @@ def main() -> None:
         if spec in bases:
             continue
         # A base draft has no recorded token counts of its own: full head.
-        full = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"draft_vocab": 0})})
-        m = measure(full if spec.startswith("cut:") else cfg, ws, target, spec, args)
+        m = measure(cfg, ws, target, spec, args, full_head=spec.startswith("cut:"))
         bases[spec] = m["acceptance"]
         rows.append(
             {"arm": "base" if spec.startswith("cut:") else spec, "draft_spec": spec, "measured": m}
@@ -231,7 +213,7 @@ def main() -> None:
             if (r["arm"], r["draft_spec"]) not in measured
         ]
         rows = kept + rows
-    env = environment(cfg, "cpu")
+    env = environment(cfg)
     out = {
         "environment": env,
         "budget_s": args.budget_s if args.train else None,
@@ -241,16 +223,12 @@ def main() -> None:
         "k": args.k,
         "rows": rows,
     }
-    perf.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(perf / "acceptance.json", out)
     md = (
-        f"# Acceptance by distillation arm\n\n{env['hardware']}, {env['dtype']}, torch "
-        f"{env['torch']}, {env['date']}. {args.answers} teacher answers, "
+        f"# Acceptance by distillation arm\n\n{header(env)}. {args.answers} teacher answers, "
         f"{args.budget_s:.0f} s of training per arm, held-out: {args.prompts} prompts x "
         f"{args.tokens} tokens at fixed k={args.k} (engine, eager).\n\n{table(rows, args.k)}\n"
     )
-    atomic_write_text(perf / "acceptance.md", md)
-    print(md)
+    write_results(perf, "acceptance", out, md)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu.sh [--device cuda|cpu] [--out DIR] [--config FILE] [--merged DIR|none]
 #                          [--quick] [--set k=v]...
 #
-# Sets up (make setup), runs the engine benchmark (benchmarks/engine.py) in a private workspace
+# Sets up (make setup), runs the engine benchmark (python -m benchmarks.engine) in a private workspace
 # under DIR (it splits MBPP there) on the embedded pair, eager and compiled (CUDA graphs on a GPU;
 # bf16 there), then a short bench of the distilled draft if this checkout has one (--merged,
 # default artifacts/merged).
@@ -71,7 +71,7 @@ DEV=(--set "models.device=$DEVICE")
 ARGS=(--config "$CONFIG" --artifacts "$ART" "${DEV[@]}" "${SETS[@]}")
 
 if [ "$QUICK" = 1 ]; then
-  ENGINE=(--prompts 2 --tokens 8 --parts generate --self-draft 0)
+  ENGINE=(--prompts 2 --tokens 8 --parts generate --self-draft 2)
   LIMIT=300
 else
   ENGINE=(--prompts 4 --tokens 64 --steps 40 --parts steps generate server)
@@ -81,7 +81,7 @@ fi
 if [ "$MERGED" != none ] && [ -f "$MERGED/config.json" ]; then
   mkdir -p "$ART" && rm -rf "$ART/merged" && cp -r "$MERGED" "$ART/merged"
 fi
-step engine "$LIMIT" "$PY" benchmarks/engine.py "${ENGINE[@]}" "${ARGS[@]}"
+step engine "$LIMIT" "$PY" -m benchmarks.engine "${ENGINE[@]}" "${ARGS[@]}"
 cp "$ART/perf/engine.json" "$ART/perf/engine.md" "$OUT/" 2>/dev/null
 
 if [ -f "$ART/merged/config.json" ]; then

@@ -1,7 +1,7 @@
 """What a k+1-token verify costs in matmuls on this CPU: SmolLM2-135M's linear layers (random
 weights of the same shapes; the cost does not depend on the values) at 1, 2, 5 and 9 rows.
 
-    .venv/bin/python benchmarks/matmul_rows.py [--threads 2] [--repeat 20]
+    .venv/bin/python -m benchmarks.matmul_rows [--threads 2] [--repeat 20]
 
 Prints, per row count, median milliseconds of:
   - all of the target's linears once (30 layers x 7, plus the 49,152 x 576 head), `F.linear`:

@@ -2,7 +2,7 @@
 serves another, retrains on the traffic it captured, and is swapped into the running server
 while requests are in flight. A benchmark, not a test.
 
-    .venv/bin/python benchmarks/online_distillation.py --config configs/default.yaml \
+    .venv/bin/python -m benchmarks.online_distillation --config configs/default.yaml \
         --artifacts DIR [--initial 64] [--traffic 112] [--fresh 24] [--clients 24]
 
 The split. All 974 MBPP problems, in task-id order shuffled with seed 42, are cut by family:
@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
 import threading
 import time
@@ -47,14 +46,12 @@ from pathlib import Path
 
 import requests
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from pipeline.bench import hardware  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
-from pipeline.retrain import point_current  # noqa: E402
-from pipeline.split import load_source, make_prompt  # noqa: E402
-from pipeline.workspace import atomic_write_json, atomic_write_jsonl, atomic_write_text  # noqa: E402
+from benchmarks.common import run_stage, served_model, server
+from pipeline.artifacts import point_current
+from pipeline.bench import hardware
+from pipeline.config import load_config
+from pipeline.split import load_source, make_prompt
+from pipeline.workspace import atomic_write_json, atomic_write_jsonl, atomic_write_text
 
 SHIFTED = (
     "string",
@@ -82,25 +79,7 @@ def example(r: dict) -> dict:
 
 
 def pipeline(stage: str, args, root: Path, sets: list[str], log: Path) -> float:
-    cmd = [
-        sys.executable,
-        "-m",
-        "pipeline",
-        stage,
-        "--config",
-        args.config,
-        "--artifacts",
-        str(root),
-    ]
-    cmd += ["--cache", str(args.online / "cache")]
-    for s in sets:
-        cmd += ["--set", s]
-    t0 = time.perf_counter()
-    with open(log, "ab") as f:
-        rc = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
-    if rc != 0:
-        sys.exit(f"{stage} failed (exit {rc}); see {log}")
-    return time.perf_counter() - t0
+    return run_stage(stage, args.config, root, sets, log, cache=args.online / "cache")[1]
 
 
 class Client:
@@ -267,29 +246,10 @@ def main() -> None:
     (args.online / "runs" / "initial" / "run.json").write_text(json.dumps({"status": "promoted"}))
 
     # 2. the server
-    port = 8765
-    serve = [sys.executable, "-m", "pipeline", "serve", "--config", args.config]
-    serve += ["--artifacts", str(args.online), "--cache", str(args.online / "cache")]
-    serve += ["--port", str(port)]
-    for s in (*common, "traffic.capture=true", "server.reload_poll_s=0", "server.queue_size=64"):
-        serve += ["--set", s]
-    server_log = open(args.online / "server.log", "ab")  # noqa: SIM115 - lives as long as the server
-    proc = subprocess.Popen(serve, cwd=ROOT, stdout=server_log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                sys.exit(f"server exited {proc.returncode}; see {args.online / 'server.log'}")
-            try:
-                if requests.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                sys.exit("server not ready after 600 s")
-            time.sleep(0.5)
-        model = requests.get(url + "/v1/models", timeout=10).json()["data"][0]
+    sets = [*common, "traffic.capture=true", "server.reload_poll_s=0", "server.queue_size=64"]
+    log_file, cache = args.online / "server.log", args.online / "cache"
+    with server(args.config, args.online, "bandit", sets, log_file, cache) as (url, _ready):
+        model = served_model(url)
         draft_before = model["metadata"]["draft"]
         client = Client(url, model["id"], args.tokens)
         fresh_prompts = [make_prompt(r) for r in fresh]
@@ -308,14 +268,9 @@ def main() -> None:
         # The gate's bench: target and fixed:4 rows for both drafts (and their bandit rows).
         sets = [*common, "retrain.data=traffic", "retrain.min_gain=0.0", "bench.fixed_arms=[4]"]
         sets.append(f"train.epochs={args.retrain_epochs}")  # the later --set wins
-        t0 = time.perf_counter()
-        cmd = [sys.executable, "-m", "pipeline", "retrain", "--config", args.config]
-        cmd += ["--artifacts", str(args.online)]
-        for s in sets:
-            cmd += ["--set", s]
-        with open(log, "ab") as f:
-            rc = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
-        timings["retrain_s"] = time.perf_counter() - t0
+        rc, timings["retrain_s"] = run_stage(
+            "retrain", args.config, args.online, sets, log, allow=(0, 5)
+        )
         runs = sorted(d for d in (args.online / "runs").iterdir() if d.name != "initial")
         gate = json.loads((runs[-1] / "gate.json").read_text()) if runs else None
         print(f"retrain exit {rc}; gate: {gate and gate['reason']}", flush=True)
@@ -331,13 +286,6 @@ def main() -> None:
         after = acceptance(client, fresh_prompts, args.eval_tokens)
         timings["after_s"] = time.perf_counter() - t0
         metrics = requests.get(url + "/metrics", timeout=10).text
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        server_log.close()
 
     captured = sum(1 for p in (args.online / "traffic").glob("traffic-*.jsonl") for _ in open(p))
     results = {

@@ -1,19 +1,18 @@
-"""Issue 9's three performance figures against their goals, from one run on this machine.
+"""The batching local teacher and the bandit against their goals, from one run on this machine.
 
-    .venv/bin/python benchmarks/performance.py [--config configs/default.yaml] [--artifacts artifacts]
-        [--loop-prompts 8] [--loop-tokens 64] [--teacher-prompts 16] [--bench-prompts N]
-        [--parts loop teacher bandit]
-    (or: make perf; needs `make merge` first: part 3 benches the distilled draft)
+    .venv/bin/python -m benchmarks.performance [--config configs/default.yaml]
+        [--artifacts artifacts] [--teacher-prompts 16] [--bench-prompts N] [--parts teacher bandit]
+    (or: make perf; needs `make merge` first: the bandit part benches the distilled draft)
 
-1. Speculative-loop overhead: the target drafting for itself (every guess accepted), arms 2, 4
-   and 8, against target-only on the same held-out prompts. Goal: fixed_4 >= 0.90x.
-2. Batching local teacher: distil the same training prompts twice, each into a fresh workspace
+1. Batching local teacher: distil the same training prompts twice, each into a fresh workspace
    under <artifacts>/perf/: one at a time (server.max_batch=1) and batched (the config's
    server.max_batch); local-teacher start-up is inside both. Answers/min come from each distill
    summary. Goal: >= 3x.
-3. Bandit: the bench with the distilled draft on the held-out prompts (all of them by default):
+2. Bandit: the bench with the distilled draft on the held-out prompts (all of them by default):
    every single arm, the configured bandit, and the seed's (policy: seed). Goal: the
    configured bandit's post-warm-up tokens/s >= 0.95x the best single arm on the same prompts.
+(The speculative loop's own overhead, the target drafting for itself, is `benchmarks.engine`'s
+generate part.)
 
 Writes <artifacts>/perf/performance.json and performance.md (the bench's own report and plots
 in <artifacts>/perf/bench/).
@@ -24,19 +23,16 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
-from engine_overhead import loop_overhead
-
-from pipeline import bench, models
-from pipeline.bench import environment
+from benchmarks.common import environment, header, run_stage, write_results
+from pipeline import bench
 from pipeline.config import load_config
 from pipeline.telemetry import NullTelemetry
-from pipeline.workspace import Workspace, atomic_write_json, atomic_write_text, read_jsonl
+from pipeline.workspace import Workspace
 
-GOALS = {"loop_fixed_4": 0.90, "teacher_speedup": 3.0, "bandit_ratio": 0.95}
+GOALS = {"teacher_speedup": 3.0, "bandit_ratio": 0.95}
 
 
 class _PerfWorkspace(Workspace):
@@ -51,30 +47,11 @@ class _PerfWorkspace(Workspace):
         return self._out
 
 
-def part_loop(cfg, ws: Workspace, n_prompts: int, tokens: int) -> dict:
-    pair = models.load_pair(cfg, ws, models.SELF)
-    prompts = bench.prompt_ids(cfg, pair.tokenizer, read_jsonl(ws.test_file)[:n_prompts])
-    rows = loop_overhead(pair.engine, prompts, tokens, [2, 4, 8])
-    base = rows["phoenix target-only"]["tokens_per_second"]
-    for row in rows.values():
-        row["ratio_to_target_only"] = row["tokens_per_second"] / base
-    return {"prompts": len(prompts), "max_new_tokens": tokens, "runs": rows}
-
-
 def _distill(args, out: Path, n: int, overrides: list[str]) -> dict:
-    sets = [x for s in [f"distill.limit={n}", *overrides] for x in ("--set", s)]
-    common = [
-        "--config",
-        args.config,
-        "--artifacts",
-        str(out),
-        "--cache",
-        str(Path(args.artifacts) / "cache"),
-    ]
+    sets = [f"distill.limit={n}", *overrides]
+    cache = Path(args.artifacts) / "cache"
     for stage in ("split", "distill"):
-        r = subprocess.run([sys.executable, "-m", "pipeline", stage, *common, *sets])
-        if r.returncode != 0:
-            sys.exit(f"performance: {stage} into {out} failed (exit {r.returncode})")
+        run_stage(stage, args.config, out, sets, out / "performance.log", cache)
     return json.loads((Workspace(out).teacher / "summary.json").read_text())
 
 
@@ -133,56 +110,32 @@ def part_bandit(args, cfg, ws: Workspace, perf: Path) -> dict:
 
 
 def markdown(p: dict) -> str:
-    env = p["environment"]
-    loop, teach, band = p.get("loop"), p.get("teacher"), p.get("bandit")
+    teach, band = p.get("teacher"), p.get("bandit")
     met = lambda x, goal: "yes" if x >= goal else "no"  # noqa: E731
     lines = [
-        "# Phoenix performance (issue 9)",
+        "# Phoenix performance: the batching teacher and the bandit",
         "",
-        f"Hardware: {env['hardware']}; {env['device']}, {env['dtype']}, {env['threads']} threads; "
-        f"torch {env['torch']}, transformers {env['transformers']}. Date: {env['date']}. "
-        "All figures from this one run.",
+        f"{header(p['environment'])}. All figures from this one run.",
         "",
         "| figure | measured | goal | met |",
         "|---|---|---|---|",
     ]
-    if loop:
-        f4 = loop["runs"]["phoenix fixed_4 (self-draft)"]["ratio_to_target_only"]
-        goal = GOALS["loop_fixed_4"]
-        lines.append(
-            f"| 1. self-draft fixed_4 tokens/s / target-only | {f4:.2f}x | >= {goal:.2f}x | "
-            f"{met(f4, goal)} |"
-        )
     if teach:
         x, goal = teach["speedup"], GOALS["teacher_speedup"]
         lines.append(
-            f"| 2. local teacher answers/min, batched / one at a time | {x:.2f}x | >= {goal:.1f}x "
+            f"| 1. local teacher answers/min, batched / one at a time | {x:.2f}x | >= {goal:.1f}x "
             f"| {met(x, goal)} |"
         )
     if band:
         b, goal = band["configured"], GOALS["bandit_ratio"]
         lines.append(
-            f"| 3. bandit (policy: {b['explore']}) tokens/s / best single arm, post-warm-up | "
+            f"| 2. bandit (policy: {b['explore']}) tokens/s / best single arm, post-warm-up | "
             f"{b['ratio_to_best_arm']:.2f}x | >= {goal:.2f}x | {met(b['ratio_to_best_arm'], goal)} |"
         )
-    if loop:
-        lines += [
-            "",
-            f"## 1. Speculative-loop overhead ({loop['prompts']} held-out prompts, "
-            f"{loop['max_new_tokens']} tokens, the target drafting for itself: every guess accepted)",
-            "",
-            "| run | tokens/s | vs target-only | draft s/request | verify s/request |",
-            "|---|---|---|---|---|",
-        ]
-        for name, r in loop["runs"].items():
-            lines.append(
-                f"| {name} | {r['tokens_per_second']:.2f} | {r['ratio_to_target_only']:.2f}x | "
-                f"{r['draft_s_per_request']:.2f} | {r['verify_s_per_request']:.2f} |"
-            )
     if teach:
         lines += [
             "",
-            f"## 2. Batching local teacher ({teach['batched']['answers']} training prompts, the same "
+            f"## 1. Batching local teacher ({teach['batched']['answers']} training prompts, the same "
             "in both runs, start-up included)",
             "",
             "| run | max_batch | elapsed (s) | answers/min | tokens/s |",
@@ -197,7 +150,7 @@ def markdown(p: dict) -> str:
     if band:
         lines += [
             "",
-            f"## 3. Bandit ({band['prompts']} held-out prompts, {band['max_new_tokens']} tokens, "
+            f"## 2. Bandit ({band['prompts']} held-out prompts, {band['max_new_tokens']} tokens, "
             f"distilled draft; lossless: {'yes' if band['lossless'] else 'NO'})",
             "",
             "| policy | post-warm-up requests | tokens/s | best single arm (tokens/s) | ratio | "
@@ -221,8 +174,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/default.yaml")
     ap.add_argument("--artifacts", default="artifacts")
-    ap.add_argument("--loop-prompts", type=int, default=8)
-    ap.add_argument("--loop-tokens", type=int, default=64)
     ap.add_argument("--teacher-prompts", type=int, default=16)
     ap.add_argument(
         "--bench-prompts", type=int, default=None, help="default: every held-out prompt"
@@ -230,9 +181,9 @@ def main() -> None:
     ap.add_argument(
         "--parts",
         nargs="+",
-        choices=["loop", "teacher", "bandit"],
-        default=["loop", "teacher", "bandit"],
-        help="measure only these (default: all three)",
+        choices=["teacher", "bandit"],
+        default=["teacher", "bandit"],
+        help="measure only these (default: both)",
     )
     args = ap.parse_args()
     cfg = load_config(args.config)
@@ -243,20 +194,14 @@ def main() -> None:
         )
     perf = ws.root / "perf"
     perf.mkdir(parents=True, exist_ok=True)
-    out = {"environment": environment(cfg, models.pick_device(cfg.models.device)), "goals": GOALS}
-    if "loop" in args.parts:
-        print("== 1. speculative-loop overhead", flush=True)
-        out["loop"] = part_loop(cfg, ws, args.loop_prompts, args.loop_tokens)
+    out = {"environment": environment(cfg), "goals": GOALS}
     if "teacher" in args.parts:
-        print("== 2. batching local teacher", flush=True)
+        print("== 1. batching local teacher", flush=True)
         out["teacher"] = part_teacher(args, cfg, perf)
     if "bandit" in args.parts:
-        print("== 3. bandit", flush=True)
+        print("== 2. bandit", flush=True)
         out["bandit"] = part_bandit(args, cfg, ws, perf)
-    atomic_write_json(perf / "performance.json", out)
-    text = markdown(out)
-    atomic_write_text(perf / "performance.md", text)
-    print(text)
+    write_results(perf, "performance", out, markdown(out))
 
 
 if __name__ == "__main__":

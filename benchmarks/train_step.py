@@ -1,6 +1,6 @@
 """Where a training step's time goes (issue 17): the same SFT step three ways, on this machine.
 
-    .venv/bin/python benchmarks/train_step.py [--artifacts artifacts] [--examples 48] [--steps 8]
+    .venv/bin/python -m benchmarks.train_step [--artifacts artifacts] [--examples 48] [--steps 8]
     (needs <artifacts>/teacher/answers.jsonl: `make distill`)
 
 1. trl-fused: TRL's SFTTrainer as the train stage used it before issue 17 (completion-only loss

@@ -110,15 +110,16 @@ def run_stage(stage: str, cfg: Config, ws: Workspace, args: argparse.Namespace, 
             from . import merge
 
             figures.update(merge.run(cfg, ws))
+        elif stage == "bench" and args.load:
+            from . import loadtest
+
+            figures.update(loadtest.run(cfg, ws, args.url, args.clients, args.requests))
         elif stage == "bench":
             from . import bench
 
-            if args.load:
-                figures.update(bench.load_test(cfg, ws, args.url, args.clients, args.requests))
-            else:
-                drafts = None if args.draft == "both" else [args.draft]
-                figures.update(bench.run(cfg, ws, telemetry, drafts))
-                atomic_write_text(ws.bench / "config.yaml", text)
+            drafts = None if args.draft == "both" else [args.draft]
+            figures.update(bench.run(cfg, ws, telemetry, drafts))
+            atomic_write_text(ws.bench / "config.yaml", text)
 
 
 def next_steps(cfg: Config, ws: Workspace, args: argparse.Namespace) -> str:

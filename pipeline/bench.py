@@ -1,7 +1,6 @@
 """Benchmark: did distillation make the draft better, and does speculation pay here?
 
     python -m pipeline bench --config configs/default.yaml [--draft base|distilled|both]
-    python -m pipeline bench --load --clients 4 --requests 40 [--url http://127.0.0.1:8000]
                                                                     (or: make bench)
 
 Runs inside the same serving core as the server, with the bandit and Sentry on. Protocol:
@@ -14,22 +13,20 @@ Writes <artifacts>/bench/results.json, report.md and PNG plots.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import platform
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from . import models, report
+from .artifacts import weights_id
 from .config import Config
-from .drafts import weights_id
 from .errors import InputError, VerificationError
-from .serving import ServingCore, fixed, make_bandit, make_guard, parse_mode
+from .serving import ServingCore, fixed, make_core, parse_mode
 from .speculative.arms import parse_arm
 from .workspace import Workspace, atomic_write_json, atomic_write_text, read_jsonl
 
@@ -123,20 +120,11 @@ def measure_all(
     """One record per (draft, mode, prompt): target-only first, then each draft's modes.
     `engines[draft]` gets how each draft's engine ran (compiled, its head subset)."""
     draft_specs = {"base": cfg.models.draft, "distilled": str(ws.merged)}
-    model_id = cfg.models.served_name or cfg.models.target
     records: list[dict] = []
 
-    def core_of(pair: models.Pair, draft: str | None, bandit_cfg=cfg, state=None) -> ServingCore:
-        return ServingCore(
-            pair.engine,
-            pair.tokenizer,
-            make_bandit(bandit_cfg, has_draft=draft is not None),
-            model_id,
-            draft,
-            "bandit" if draft else "target",
-            state_file=state,
-            guard=make_guard(bandit_cfg),
-        )
+    def core_of(pair: models.Pair, draft: str | None, state=None, policy=None) -> ServingCore:
+        mode = "bandit" if draft else "target"  # batch size 1: the protocol
+        return make_core(cfg, pair, mode, draft, state_file=state, max_batch=1, policy=policy)
 
     def measure(core: ServingCore, draft: str, mode_text: str, label: str | None = None):
         records.extend(measure_mode(cfg, telemetry, core, draft, mode_text, ids, rows, label))
@@ -159,10 +147,7 @@ def measure_all(
                 measure(core, draft, fixed(arm).spec)
         measure(core, draft, "bandit")
         if cfg.bench.seed_bandit:
-            seed_cfg = cfg.model_copy(
-                update={"bandit": cfg.bandit.model_copy(update={"policy": "seed"})}
-            )
-            measure(core_of(pair, draft, bandit_cfg=seed_cfg), draft, "bandit", "bandit_seed")
+            measure(core_of(pair, draft, policy="seed"), draft, "bandit", "bandit_seed")
         del pair, core
     return records
 
@@ -188,31 +173,14 @@ def measure_mode(cfg, telemetry, core, draft, mode_text, ids, rows, label=None) 
         with telemetry.request(mode, core.draft_id) as rec:
             res = core.generate(p, cfg.bench.max_new_tokens, mode)
             rec.record(res)
-        r, d = res.result, res.decision
         out.append(
             {
-                "draft": draft,
-                "mode": label,
+                **res.record(),
+                "draft": draft,  # the bench's name for it: base, distilled (none: no draft)
+                "mode": label,  # the row: target, fixed_4, ngram_4, bandit, bandit_seed
                 "prompt_index": i,
                 "task_id": rows[i]["task_id"],
-                "arm": r.arm,
-                "prompt_tokens": r.prompt_tokens,
-                "warmup": bool(d and d.warmup),
-                "fallback": bool(d and d.fallback),
-                "explored": bool(d and d.explored),
-                "epsilon": d.epsilon if d else None,
-                "latency_s": r.latency_s,
-                "output_tokens": r.output_tokens,
-                "tokens_per_second": r.tokens_per_second,
-                "proposed": r.proposed,
-                "accepted": r.accepted,
-                "rounds": r.rounds,
-                "proposed_per_position": r.proposed_per_position,
-                "accepted_per_position": r.accepted_per_position,
-                "draft_s": r.draft_s,
-                "verify_s": r.verify_s,
-                "finish_reason": res.finish_reason,
-                "token_ids": r.token_ids,
+                "token_ids": res.result.token_ids,
             }
         )
     return out
@@ -343,77 +311,3 @@ def _first_diff(a: list[int], b: list[int]) -> int:
         if x != y:
             return i
     return min(len(a), len(b))
-
-
-# --- load test against a running server ---------------------------------------------------------
-def load_test(
-    cfg: Config, ws: Workspace, url: str | None, clients: int, requests_total: int
-) -> dict[str, Any]:
-    import requests
-
-    base = (url or f"http://{cfg.server.host}:{cfg.server.port}").rstrip("/")
-    if not ws.test_file.exists():
-        raise InputError(f"{ws.test_file} is missing: run the split stage first (make split)")
-    prompts = [r["prompt"] for r in read_jsonl(ws.test_file)]
-    headers = {}
-    key = os.environ.get(cfg.server.api_key_env)
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
-    try:
-        listed = requests.get(base + "/v1/models", headers=headers, timeout=10).json()["data"]
-    except Exception as exc:
-        raise InputError(
-            f"no Phoenix server answering at {base} ({type(exc).__name__}); start one with make serve"
-        ) from None
-    model = listed[0]["id"]
-
-    def one(i: int) -> dict:
-        body = {
-            "model": model,
-            "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
-            "max_tokens": cfg.bench.max_new_tokens,
-            "phoenix": {"capture": False},  # held-out prompts: never training data
-        }
-        t0 = time.perf_counter()
-        try:
-            r = requests.post(
-                base + "/v1/chat/completions", json=body, headers=headers, timeout=600
-            )
-            out = {"status": r.status_code, "latency_s": time.perf_counter() - t0}
-            if r.status_code == 200:
-                out["tokens"] = r.json()["usage"]["completion_tokens"]
-            return out
-        except requests.RequestException as exc:
-            return {
-                "status": None,
-                "error": type(exc).__name__,
-                "latency_s": time.perf_counter() - t0,
-            }
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        results = list(
-            tqdm(
-                pool.map(one, range(requests_total)), total=requests_total, desc="load", unit="req"
-            )
-        )
-    wall = time.perf_counter() - t0
-    ok = [r for r in results if r["status"] == 200]
-    lat = [r["latency_s"] for r in ok]
-    summary = {
-        "url": base,
-        "model": model,
-        "clients": clients,
-        "requests": requests_total,
-        "succeeded": len(ok),
-        "rate_limited_429": sum(r["status"] == 429 for r in results),
-        "errors": sum(r["status"] not in (200, 429) for r in results),
-        "wall_s": wall,
-        "requests_per_second": len(ok) / wall if wall > 0 else 0.0,
-        "tokens_per_second": sum(r.get("tokens", 0) for r in ok) / wall if wall > 0 else 0.0,
-        "p50_latency_s": report.percentile(lat, 50) if lat else None,
-        "p95_latency_s": report.percentile(lat, 95) if lat else None,
-    }
-    atomic_write_json(ws.bench / "load.json", summary)
-    log.info("load: %s", json.dumps(summary))
-    return summary

@@ -15,18 +15,27 @@ from __future__ import annotations
 import json
 import logging
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from .artifacts import (
+    PUSH_RECORD,
+    WEIGHTS,
+    current_run,
+    is_verified,
+    measured_acceptance,
+    published_version,
+    registry_root,
+    weights_id,
+)
 from .config import Config
 from .errors import ConfigError
-from .workspace import Workspace, sha256_file
+from .workspace import Workspace
 
 log = logging.getLogger(__name__)
 
 VERSION = re.compile(r"^v\d{4}(-[\w.-]+)?$")
-WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
 
 @dataclass(frozen=True)
@@ -69,48 +78,22 @@ class ServedDraft:
         return f"{self.spec} ({'; '.join(parts)})"
 
 
-def weights_id(folder: str | Path) -> str | None:
-    """sha256 of a model directory's weights file (its index when sharded); None if none."""
-    folder = Path(folder)
-    meta = folder / "phoenix.json"  # merge records the hash it verified
-    if meta.is_file() and (folder / "model.safetensors").is_file():
-        known = json.loads(meta.read_text()).get("weights_sha256")
-        if known:
-            return known
-    for name in WEIGHTS:
-        if (folder / name).is_file():
-            return sha256_file(folder / name)
-    return None
-
-
-def _verified(folder: Path) -> bool:
-    """A merged draft that passed merge's check: merge writes phoenix.json only then."""
-    return (folder / "config.json").is_file() and (folder / "phoenix.json").is_file()
-
-
 def _registry_model(cfg: Config, ws: Workspace) -> Path:
-    from .publish import registry_root
-
-    return registry_root(cfg, ws) / cfg.publish.name
+    return registry_root(cfg.publish.registry, ws.root) / cfg.publish.name
 
 
 def _promoted(ws: Workspace) -> ServedDraft | None:
-    from .retrain import current_run
-
     run = current_run(ws.root)
     if run is None:
         return None
     run_dir = ws.root / "runs" / run
     merged = run_dir / "merged"
-    if not _verified(merged):
+    if not is_verified(merged):
         raise ConfigError(
             f"server.draft=latest: {ws.root / 'current'} points at run {run}, which has no "
             f"verified merged draft at {merged}"
         )
-    gate = run_dir / "gate.json"
-    version = None
-    if gate.is_file():
-        version = (json.loads(gate.read_text()).get("published") or {}).get("version")
+    version = published_version(run_dir / "gate.json")
     return ServedDraft(str(merged), "promoted", version or run)
 
 
@@ -118,18 +101,15 @@ def _newest_merged(cfg: Config, ws: Workspace) -> ServedDraft | None:
     """The newest of <artifacts>/merged and the registry's latest version (by when merge
     verified it: the registry copy keeps the file times)."""
     found: list[tuple[float, int, ServedDraft]] = []
-    if _verified(ws.merged):
-        record = ws.merged / "publish.json"
-        version = None
-        if record.is_file():
-            version = (json.loads(record.read_text()).get("published") or {}).get("version")
+    if is_verified(ws.merged):
+        version = published_version(ws.merged / PUSH_RECORD)
         mtime = (ws.merged / "phoenix.json").stat().st_mtime
         found.append((mtime, 1, ServedDraft(str(ws.merged), "merged", version)))
     latest = _registry_model(cfg, ws) / "latest.json"
     if latest.is_file():
         version = json.loads(latest.read_text())["version"]
         folder = latest.parent / version
-        if _verified(folder):
+        if is_verified(folder):
             mtime = (folder / "phoenix.json").stat().st_mtime
             found.append((mtime, 0, ServedDraft(str(folder), "registry", version)))
     return max(found, key=lambda f: f[:2])[2] if found else None
@@ -176,37 +156,22 @@ def check_loadable(served: ServedDraft) -> None:
         raise ConfigError(f"draft {served.spec} cannot be loaded: {first}") from None
 
 
-def bench_acceptance(cfg: Config, ws: Workspace, served: ServedDraft) -> ServedDraft:
-    """The served draft with its held-out acceptance at `retrain.gate_mode`, when a bench under
-    this workspace measured this exact draft (same weights)."""
+def bench_acceptance(ws: Workspace, served: ServedDraft, mode: str) -> ServedDraft:
+    """The served draft with its held-out acceptance at `mode` (retrain.gate_mode), when a
+    bench under this workspace measured this exact draft (same weights)."""
     folder = Path(served.spec)
     wid = weights_id(folder) if folder.is_dir() else None
-    if wid is None:
+    found = measured_acceptance(ws.root, wid, mode) if wid else None
+    if found is None:
         return served
-    files = [ws.bench_results, *sorted((ws.root / "runs").glob("*/bench/results.json"))]
-    for results_file in sorted(
-        (f for f in files if f.is_file()), key=lambda f: f.stat().st_mtime, reverse=True
-    ):
-        results = json.loads(results_file.read_text())
-        for draft, sha in (results.get("draft_weights") or {}).items():
-            if sha != wid:
-                continue
-            for row in results.get("rows", []):
-                if row["draft"] == draft and row["mode"] == cfg.retrain.gate_mode:
-                    return ServedDraft(
-                        served.spec,
-                        served.source,
-                        served.version,
-                        row["acceptance_rate"],
-                        cfg.retrain.gate_mode,
-                        str(results_file),
-                    )
-    return served
+    acc, results_file = found
+    return replace(served, acceptance=acc, acceptance_mode=mode, acceptance_from=str(results_file))
 
 
-def resolve_served(cfg: Config, ws: Workspace) -> ServedDraft:
-    """`server.draft` -> the draft to serve, checked loadable, with its bench acceptance."""
-    text = cfg.server.draft.strip()
+def resolve_served(cfg: Config, ws: Workspace, which: str | None = None) -> ServedDraft:
+    """`which` (default: `server.draft`) -> the draft to serve, checked loadable, with its
+    bench acceptance."""
+    text = (which or cfg.server.draft).strip()
     if text == "base":
         served = ServedDraft(cfg.models.draft, "base")
     elif text == "latest":
@@ -224,5 +189,5 @@ def resolve_served(cfg: Config, ws: Workspace) -> ServedDraft:
         served = _explicit(cfg, ws, text)
     if served.source != "base":
         check_loadable(served)
-        served = bench_acceptance(cfg, ws, served)
+        served = bench_acceptance(ws, served, cfg.retrain.gate_mode)
     return served

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from . import models, publish
+from .artifacts import PUSH_RECORD
 from .config import Config, dump_config
 from .errors import InputError, VerificationError
 from .workspace import Workspace, atomic_write_json, make_temp_dir, read_jsonl, sha256_file
@@ -51,7 +52,8 @@ def max_diff(a, b) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
 
 
-def run(cfg: Config, ws: Workspace) -> dict[str, Any]:
+def run(cfg: Config, ws: Workspace, push: bool = True) -> dict[str, Any]:
+    """`push=False`: publish nothing (retrain's runs publish only after the gate)."""
     metrics_file = ws.adapter / "metrics.json"
     trained = ws.adapter / "model"
     if not metrics_file.exists() or not trained.is_dir():
@@ -128,8 +130,10 @@ def run(cfg: Config, ws: Workspace) -> dict[str, Any]:
     )
 
     info["merged_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    info["published"] = publish.publish(cfg, ws, ws.merged)
-    atomic_write_json(ws.merged / publish.PUSH_RECORD, info)  # where it went (after the push)
+    info["published"] = (
+        publish.publish(cfg.publish, ws.root, ws.merged) if push else {"target": "none"}
+    )
+    atomic_write_json(ws.merged / PUSH_RECORD, info)  # where it went (after the push)
     return info
 
 

@@ -113,25 +113,26 @@ class Metrics:
     def record(self, res, wall_s: float) -> None:
         """One finished request: `res` is its CoreResult, `wall_s` admission to the end (the
         wait for the models is what the engine's own latency does not cover)."""
-        r = res.result
-        queued_s = max(0.0, wall_s - r.latency_s)
-        if r.proposed:
-            self.num_drafts.inc(r.proposed_per_position[0] if r.proposed_per_position else 0)
-            self.num_draft_tokens.inc(r.proposed)
-            self.num_accepted_tokens.inc(r.accepted)
-            for pos, n in enumerate(r.accepted_per_position):
+        rec = res.record()
+        queued_s = max(0.0, wall_s - rec["latency_s"])
+        if rec["proposed"]:
+            per_pos = rec["proposed_per_position"]
+            self.num_drafts.inc(per_pos[0] if per_pos else 0)
+            self.num_draft_tokens.inc(rec["proposed"])
+            self.num_accepted_tokens.inc(rec["accepted"])
+            for pos, n in enumerate(rec["accepted_per_position"]):
                 self.accepted_per_pos.labels(position=str(pos)).inc(n)
-        if res.decision is not None:
-            self.arm_choices.labels(arm=str(res.decision.arm)).inc()
-        if res.guard_event is not None:
-            self.guard_events.labels(event=res.guard_event["event"]).inc()
-        self.generation_tokens.inc(r.output_tokens)
-        self.request_success.labels(finished_reason=res.finish_reason).inc()
-        if res.finish_reason == "abort":  # the client left: no latency to report
+        if res.decision is not None:  # the arm the bandit chose (the drift guard's too)
+            self.arm_choices.labels(arm=rec["arm"]).inc()
+        if rec["guard_event"] is not None:
+            self.guard_events.labels(event=rec["guard_event"]).inc()
+        self.generation_tokens.inc(rec["output_tokens"])
+        self.request_success.labels(finished_reason=rec["finish_reason"]).inc()
+        if rec["finish_reason"] == "abort":  # the client left: no latency to report
             return
         self.latency.observe(wall_s)
-        if r.first_token_s is not None:
-            self.ttft.observe(queued_s + r.first_token_s)
+        if rec["first_token_s"] is not None:
+            self.ttft.observe(queued_s + rec["first_token_s"])
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -439,11 +439,14 @@ def counts_file(cfg, ws, draft_ref: str) -> Path:
     )
 
 
-def draft_token_ids(cfg, ws, draft_ref: str, vocab: int, eos: list[int]) -> list[int] | None:
-    """The draft head's subset per `engine.draft_vocab` (None: full), from `counts_file`."""
+def draft_token_ids(
+    cfg, ws, draft_ref: str, vocab: int, eos: list[int], n: int | None = None
+) -> list[int] | None:
+    """The draft head's subset of `n` ids (default `engine.draft_vocab`; 0: None, the full
+    head), from `counts_file`."""
     import json
 
-    n = cfg.engine.draft_vocab
+    n = cfg.engine.draft_vocab if n is None else n
     if not n:
         return None
     if n > vocab:
@@ -452,11 +455,16 @@ def draft_token_ids(cfg, ws, draft_ref: str, vocab: int, eos: list[int]) -> list
     return top_tokens(counts, n, vocab, eos)
 
 
-def load_pair(cfg, ws, draft: str | None, share_target: Pair | None = None) -> Pair:
+def load_pair(
+    cfg, ws, draft: str | None, share_target: Pair | None = None, full_head: bool = False
+) -> Pair:
     """The one loader: target, draft, tokenizer and engine per config, for the server, the bench
     and every benchmark script. `draft`: a spec (`cfg.models.draft`, a merged directory, `cut:N`),
     None (target only), or SELF. `share_target`: take the target and tokenizer of a pair already
-    loaded (the bench measures several drafts against one target)."""
+    loaded (the bench measures several drafts against one target). `full_head`: no pruned
+    draft head, whatever `engine.draft_vocab` says. On a CPU the models' linear layers take the
+    skinny-matmul path (`speculative.cpu`)."""
+    from .speculative.cpu import use_skinny_linears
     from .speculative.engine import SpeculativeEngine
 
     m = cfg.models
@@ -480,8 +488,12 @@ def load_pair(cfg, ws, draft: str | None, share_target: Pair | None = None) -> P
         draft_ref, draft_model = None, None
     eos = eos_ids(tok, target)
     subset = None
-    if draft_model is not None and draft_ref != SELF:
+    if draft_model is not None and draft_ref != SELF and not full_head:
         subset = draft_token_ids(cfg, ws, draft_ref, draft_model.config.vocab_size, eos)
+    if device == "cpu":
+        for m in (target, draft_model):
+            if m is not None:
+                use_skinny_linears(m)
     engine = SpeculativeEngine(
         target,
         draft_model,

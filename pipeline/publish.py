@@ -11,27 +11,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .config import Config
+from .artifacts import PUSH_RECORD, registry_root
+from .config import PublishConfig
 from .errors import ConfigError, PhoenixError
-from .workspace import (
-    Workspace,
-    atomic_write_json,
-    content_hash,
-    make_temp_dir,
-    new_run_id,
-)
+from .workspace import atomic_write_json, content_hash, make_temp_dir, new_run_id
 
 log = logging.getLogger(__name__)
 
 
-def publish(cfg: Config, ws: Workspace, folder: Path, rid: str | None = None) -> dict[str, Any]:
-    p = cfg.publish
+def publish(p: PublishConfig, root: Path, folder: Path, rid: str | None = None) -> dict[str, Any]:
+    """Push `folder` per `publish` (`root`: the artifacts root, where the default registry
+    lives); returns where it went."""
     rid = rid or new_run_id()
     files = sorted(str(f.relative_to(folder)) for f in folder.rglob("*") if f.is_file())
     if p.target == "none":
         return {"target": "none"}
     if p.dry_run:
-        where = p.repo_id if p.target == "hub" else str(registry_root(cfg, ws) / p.name)
+        where = p.repo_id if p.target == "hub" else str(registry_root(p.registry, root) / p.name)
         log.info(
             "publish (dry run): would push %d files to %s %s: %s",
             len(files),
@@ -41,17 +37,8 @@ def publish(cfg: Config, ws: Workspace, folder: Path, rid: str | None = None) ->
         )
         return {"target": p.target, "dry_run": True, "destination": where, "files": files}
     if p.target == "local":
-        return push_local(registry_root(cfg, ws) / p.name, folder, rid)
-    return push_hub(cfg, folder, rid)
-
-
-# merge's record of where a draft was pushed, kept beside the weights in merged/ but never pushed
-# (it would say "not pushed" inside every copy promoted later).
-PUSH_RECORD = "publish.json"
-
-
-def registry_root(cfg: Config, ws: Workspace) -> Path:
-    return Path(cfg.publish.registry) if cfg.publish.registry else ws.root / "registry"
+        return push_local(registry_root(p.registry, root) / p.name, folder, rid)
+    return push_hub(p, folder, rid)
 
 
 def push_local(model_root: Path, folder: Path, rid: str) -> dict[str, Any]:
@@ -72,6 +59,8 @@ def push_local(model_root: Path, folder: Path, rid: str) -> dict[str, Any]:
     version = f"v{n:04d}-{rid}"
     tmp = make_temp_dir(model_root, f".{version}.")
     try:
+        # merge's record of where it pushed stays in merged/: inside every copy promoted later
+        # it would say "not pushed".
         shutil.copytree(folder, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns(PUSH_RECORD))
         (tmp / "phoenix-version.json").write_text(
             json.dumps({"version": version, "run_id": rid, "content_sha256": digest}, indent=2)
@@ -99,11 +88,10 @@ def _connection_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-def push_hub(cfg: Config, folder: Path, rid: str) -> dict[str, Any]:
+def push_hub(p: PublishConfig, folder: Path, rid: str) -> dict[str, Any]:
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
-    p = cfg.publish
     if not p.repo_id:
         raise ConfigError("publish.target is hub but publish.repo_id is not set")
     token = os.environ.get(p.token_env)

@@ -11,14 +11,13 @@ load leaves the old one serving; the failure is logged and sent to Sentry.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from . import models
-from .drafts import resolve_served, weights_id
+from .artifacts import current_pointer, weights_id
+from .drafts import resolve_served
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +41,7 @@ class DraftReloader:
 
     def pointer(self) -> str | None:
         """What the watcher compares: where <artifacts>/current points."""
-        link = Path(self.ws.root) / "current"
-        return os.readlink(link) if link.is_symlink() else None
+        return current_pointer(self.ws.root)
 
     def watch(self, poll_s: float, stop: threading.Event) -> threading.Thread:
         def loop() -> None:

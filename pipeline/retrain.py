@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
 
-from . import publish, traffic
+from . import bench, drafts, merge, models, publish, split, teacher, traffic, train
+from .artifacts import acceptance_of, current_run, point_current
 from .config import Config
 from .errors import GateRejected, InputError
 from .workspace import Workspace, atomic_write_json, content_hash, new_run_id, sha256_file
@@ -69,9 +69,7 @@ def stage_manifest(stage: str, cfg: Config, ws: Workspace, with_outputs: bool) -
         sections = ["retrain", "traffic"]
         inputs["traffic_since"] = ws.root.joinpath(TRAFFIC_SINCE).read_text().strip()
     elif stage == "split":
-        from .split import load_source
-
-        inputs["source"] = load_source(cfg)[2]
+        inputs["source"] = split.load_source(cfg)[2]
     manifest: dict[str, Any] = {
         "stage": stage,
         "inputs": inputs,
@@ -108,20 +106,7 @@ def pick_run(root: Path, resume: str | None) -> tuple[str, bool]:
     return new_run_id(), False
 
 
-def gate_metric(results: dict, draft: str, mode: str) -> float | None:
-    return next(
-        (
-            r["acceptance_rate"]
-            for r in results["rows"]
-            if r["draft"] == draft and r["mode"] == mode
-        ),
-        None,
-    )
-
-
 def run(cfg: Config, root: Path, telemetry, resume: str | None = None) -> dict[str, Any]:
-    from . import bench, merge, split, teacher, train
-
     root = Path(root)
     run_id, resuming = pick_run(root, resume)
     if cfg.retrain.data == "traffic" and not resuming:
@@ -146,18 +131,9 @@ def run(cfg: Config, root: Path, telemetry, resume: str | None = None) -> dict[s
         log.info(
             "retrain: %s run %s in %s", "resuming" if resuming else "starting", run_id, ws.root
         )
-        # Stages publish nothing themselves: promotion does, after the gate.
-        stage_cfg = cfg.model_copy(
-            update={"publish": cfg.publish.model_copy(update={"target": "none"})}
-        )
         on_traffic = cfg.retrain.data == "traffic"
-        if on_traffic:
-            since = online_start(cfg, root, ws)
-            stage_cfg = traffic_stage_config(stage_cfg, root)
-        elif current_run(root) is None and "base" not in cfg.bench.drafts:
-            # The first run's gate compares with the base draft: bench it too.
-            drafts = ["base", *cfg.bench.drafts]
-            stage_cfg.bench = cfg.bench.model_copy(update={"drafts": drafts})
+        since = online_start(cfg, root, ws) if on_traffic else 0.0
+        stage_cfg = run_config(cfg, root)
         steps = {
             "split": (lambda: traffic.split_stage(stage_cfg, ws, root, since))
             if on_traffic
@@ -166,7 +142,8 @@ def run(cfg: Config, root: Path, telemetry, resume: str | None = None) -> dict[s
             if on_traffic
             else (lambda: teacher.run(stage_cfg, ws)),
             "train": lambda: train.run(stage_cfg, ws),
-            "merge": lambda: merge.run(stage_cfg, ws),
+            # Stages publish nothing themselves: promotion does, after the gate.
+            "merge": lambda: merge.run(stage_cfg, ws, push=False),
             "bench": lambda: bench.run(stage_cfg, ws, telemetry),
         }
         for stage in STAGES:
@@ -201,12 +178,12 @@ def run(cfg: Config, root: Path, telemetry, resume: str | None = None) -> dict[s
 def promote_or_reject(cfg: Config, root: Path, ws: Workspace, run_id: str) -> dict[str, Any]:
     results = json.loads(ws.bench_results.read_text())
     mode = cfg.retrain.gate_mode
-    new = gate_metric(results, "distilled", mode)
+    new = acceptance_of(results, "distilled", mode)
     current = current_run(root)
     if cfg.retrain.data == "traffic":
         # The bench's "base" is the promoted draft (or models.draft), measured on this run's
         # held-out traffic: the gate compares both drafts on the same recent prompts.
-        old = gate_metric(results, "base", mode)
+        old = acceptance_of(results, "base", mode)
         against = (
             f"promoted run {current} on the held-out traffic"
             if current
@@ -214,9 +191,9 @@ def promote_or_reject(cfg: Config, root: Path, ws: Workspace, run_id: str) -> di
         )
     elif current is not None and current != run_id:
         old_results = json.loads(Workspace(root / "runs" / current).bench_results.read_text())
-        old, against = gate_metric(old_results, "distilled", mode), f"promoted run {current}"
+        old, against = acceptance_of(old_results, "distilled", mode), f"promoted run {current}"
     else:
-        old, against = gate_metric(results, "base", mode), "the base draft"
+        old, against = acceptance_of(results, "base", mode), "the base draft"
     decision: dict[str, Any] = {
         "mode": mode,
         "new_acceptance": new,
@@ -244,12 +221,7 @@ def promote_or_reject(cfg: Config, root: Path, ws: Workspace, run_id: str) -> di
     if reason is not None:
         log.warning("gate: %s; `current` stays %s", reason, current)
         return decision
-    pub_cfg = cfg
-    if cfg.publish.target == "local" and not cfg.publish.registry:
-        pub_cfg = cfg.model_copy(
-            update={"publish": cfg.publish.model_copy(update={"registry": str(root / "registry")})}
-        )
-    decision["published"] = publish.publish(pub_cfg, ws, ws.merged, rid=run_id)
+    decision["published"] = publish.publish(cfg.publish, root, ws.merged, rid=run_id)
     atomic_write_json(ws.root / "gate.json", decision)  # with the version the server names
     point_current(root, run_id)
     log.info("gate: %s; promoted run %s", decision["reason"], run_id)
@@ -269,15 +241,19 @@ def online_start(cfg: Config, root: Path, ws: Workspace) -> float:
     return since
 
 
-def traffic_stage_config(cfg: Config, root: Path) -> Config:
-    """retrain.data=traffic: train on from the draft `serve` would serve (server.draft: latest:
-    the promoted one, else the newest verified merged one, else models.draft; its real path, so
-    a later promotion does not change this run's inputs), and bench it as "base" beside the
-    new one: the gate compares the new draft with the one it would replace."""
-    from . import drafts
-
-    latest = cfg.model_copy(update={"server": cfg.server.model_copy(update={"draft": "latest"})})
-    served = drafts.resolve_served(latest, Workspace(root))
+def run_config(cfg: Config, root: Path) -> Config:
+    """The config a run's stages see (and their manifests record). A first run on MBPP benches
+    the base draft too (its gate compares with it). retrain.data=traffic: train on from the
+    draft `serve` would serve (latest: the promoted one, else the newest verified merged one,
+    else models.draft; its real path, so a later promotion does not change this run's inputs),
+    and bench it as "base" beside the new one: the gate compares the new draft with the one it
+    would replace."""
+    if cfg.retrain.data != "traffic":
+        if current_run(root) is not None or "base" in cfg.bench.drafts:
+            return cfg
+        bench_cfg = cfg.bench.model_copy(update={"drafts": ["base", *cfg.bench.drafts]})
+        return cfg.model_copy(update={"bench": bench_cfg})
+    served = drafts.resolve_served(cfg, Workspace(root), "latest")
     update: dict[str, Any] = {
         "bench": cfg.bench.model_copy(update={"drafts": ["base", "distilled"]})
     }
@@ -287,8 +263,6 @@ def traffic_stage_config(cfg: Config, root: Path) -> Config:
 
 
 def traffic_answers(cfg: Config, ws: Workspace) -> dict[str, Any]:
-    from . import models
-
     tok = models.load_tokenizer(models.resolve(cfg.models.target, ws.models_cache))
     return traffic.answers_stage(cfg, ws, tok)
 
@@ -318,16 +292,3 @@ def enough_traffic(cfg: Config, root: Path) -> tuple[bool, str]:
         f"that ended ({skipped} bad line(s) skipped); "
         f"retrain.traffic_min_records is {r.traffic_min_records}"
     )
-
-
-def current_run(root: Path) -> str | None:
-    link = root / "current"
-    return os.readlink(link).rsplit("/", 1)[-1] if link.is_symlink() else None
-
-
-def point_current(root: Path, run_id: str) -> None:
-    """Atomically repoint <root>/current at runs/<run_id> (a new symlink renamed over the old)."""
-    tmp = root / f".current.{os.getpid()}"
-    tmp.unlink(missing_ok=True)
-    os.symlink(f"runs/{run_id}", tmp)
-    os.replace(tmp, root / "current")

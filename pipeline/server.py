@@ -34,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from . import models, traffic
+from .drafts import resolve_served
 from .errors import ConfigError
 from .metrics import Metrics
 from .reload import DraftReloader
@@ -438,7 +439,7 @@ async def _complete(request: Request, req: CommonRequest, prompt_ids: list[int],
         if st.traffic is not None and res.finish_reason != "abort":  # a client that left: no
             if not capture:
                 st.metrics.traffic.labels(outcome="opted_out").inc()
-            elif st.traffic.append(traffic.record_of(res, prompt_ids, kind, res.draft)):
+            elif st.traffic.append(traffic.record_of(res, prompt_ids, kind)):
                 st.metrics.traffic.labels(outcome="captured").inc()
             else:
                 st.metrics.traffic.labels(outcome="dropped").inc()
@@ -489,8 +490,9 @@ async def _stream(job: Job, reply: Reply, include_usage: bool):
             return
         yield reply.chunk(None, res.finish_reason)
         if include_usage:
+            rec = res.record()
             yield reply.sse(
-                reply.envelope([], usage=usage_of(res, reply.n_prompt), phoenix=phoenix_of(res))
+                reply.envelope([], usage=usage_of(rec, reply.n_prompt), phoenix=phoenix_of(rec))
             )
         yield "data: [DONE]\n\n"
     finally:
@@ -557,10 +559,11 @@ class Reply:
                 "finish_reason": res.finish_reason,
                 "logprobs": None,
             }
-        ph = phoenix_of(res)
+        rec = res.record()
+        ph = phoenix_of(rec)
         if self.token_ids and not res.stopped_by_string:  # the exact ids, for distillation
             ph["token_ids"] = res.result.token_ids
-        return self.envelope([choice], chunk=False, usage=usage_of(res, self.n_prompt), phoenix=ph)
+        return self.envelope([choice], chunk=False, usage=usage_of(rec, self.n_prompt), phoenix=ph)
 
 
 def create_app(
@@ -664,39 +667,29 @@ def create_app(
     return app
 
 
-def usage_of(res: CoreResult, n_prompt: int) -> dict:
-    r = res.result
+def usage_of(rec: dict, n_prompt: int) -> dict:
+    """The OpenAI usage object of a request's record (`CoreResult.record()`)."""
     return {
         "prompt_tokens": n_prompt,
-        "completion_tokens": r.output_tokens,
-        "total_tokens": n_prompt + r.output_tokens,
+        "completion_tokens": rec["output_tokens"],
+        "total_tokens": n_prompt + rec["output_tokens"],
         "completion_tokens_details": {
-            "accepted_prediction_tokens": r.accepted,
-            "rejected_prediction_tokens": r.proposed - r.accepted,
+            "accepted_prediction_tokens": rec["accepted"],
+            "rejected_prediction_tokens": rec["proposed"] - rec["accepted"],
         },
     }
 
 
-def phoenix_of(res: CoreResult) -> dict:
-    r, d = res.result, res.decision
-    return {
-        "mode": res.mode.spec,
-        "arm": r.arm,
-        "proposed": r.proposed,
-        "accepted": r.accepted,
-        "rounds": r.rounds,
-        "acceptance": r.acceptance,
-        "tokens_per_second": r.tokens_per_second,
-        "latency_s": r.latency_s,
-        "draft_s": r.draft_s,
-        "verify_s": r.verify_s,
-        "accepted_per_position": r.accepted_per_position,
-        "proposed_per_position": r.proposed_per_position,
-        "explored": d.explored if d else None,
-        "fallback": d.fallback if d else None,  # held to plain generation by the drift guard
-        "guard_event": res.guard_event["event"] if res.guard_event else None,
-        "epsilon": d.epsilon if d else None,
-    }
+# The response's `phoenix` object: these fields of the request's record.
+PHOENIX_FIELDS = (
+    "mode", "arm", "proposed", "accepted", "rounds", "acceptance", "tokens_per_second",
+    "latency_s", "draft_s", "verify_s", "accepted_per_position", "proposed_per_position",
+    "explored", "fallback", "guard_event", "epsilon",
+)  # fmt: skip
+
+
+def phoenix_of(rec: dict) -> dict:
+    return {k: rec[k] for k in PHOENIX_FIELDS}
 
 
 def serve(cfg, ws, host: str | None, port: int | None, mode: str | None) -> None:
@@ -710,10 +703,8 @@ def serve(cfg, ws, host: str | None, port: int | None, mode: str | None) -> None
 def build_app(cfg, ws, mode: str | None = None) -> FastAPI:
     """The app `serve` runs: the draft resolved (`server.draft`) and checked now, so a missing
     or unloadable one exits 2 before anything listens; models load in the background."""
-    from .drafts import resolve_served
-
     mode = mode or cfg.server.mode
-    served, as_configured = None, cfg  # a reload loads the next draft as configured
+    served, full_head = None, False
     if mode != "target":
         served = resolve_served(cfg, ws)
         if cfg.engine.draft_vocab:
@@ -726,9 +717,7 @@ def build_app(cfg, ws, mode: str | None = None) -> FastAPI:
                     "engine.draft_vocab: no token counts yet (train records them): the base "
                     "draft proposes over the full vocabulary"
                 )
-                cfg = cfg.model_copy(
-                    update={"engine": cfg.engine.model_copy(update={"draft_vocab": 0})}
-                )
+                full_head = True
     log.info(
         "serving target %s with %s (mode %s)",
         cfg.models.target,
@@ -738,11 +727,9 @@ def build_app(cfg, ws, mode: str | None = None) -> FastAPI:
     telemetry = setup_telemetry(cfg, component="server")
     poll = cfg.server.reload_poll_s if cfg.server.draft.strip() == "latest" else 0.0
     return create_app(
-        lambda: build_core(cfg, ws, mode=mode, served=served),
+        lambda: build_core(cfg, ws, served, mode, full_head=full_head),
         traffic_log=traffic.open_log(cfg, ws),
-        reloader=(
-            lambda get_core, metrics: DraftReloader(as_configured, ws, get_core, telemetry, metrics)
-        )
+        reloader=(lambda get_core, metrics: DraftReloader(cfg, ws, get_core, telemetry, metrics))
         if served is not None
         else None,
         reload_poll_s=poll,

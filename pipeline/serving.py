@@ -1,8 +1,10 @@
 """The serving core: engine + tokenizer + bandit, one request at a time.
 
 Shared by the HTTP server (which includes the local teacher) and the benchmark, so a number the
-benchmark measures is a number the server delivers. Knows modes, text and stop strings; knows
-nothing of HTTP.
+benchmark measures is a number the server delivers: `make_core` builds every core, with the
+config's bandit settings. Knows modes, text and stop strings; knows nothing of HTTP. A finished
+request is a `CoreResult`; `CoreResult.record()` is its one flat record, which responses,
+metrics, Sentry, traffic capture and the bench all read.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import models
+from .config import BanditConfig, Config
 from .speculative.arms import PLAIN, Arm, canonical, parse_arm
 from .speculative.bandit import (
     Context,
@@ -28,7 +31,8 @@ from .speculative.bandit import (
     load_bandit,
     save_bandit,
 )
-from .speculative.engine import GenerationResult, SpeculativeEngine, TargetBatch
+from .speculative.batch import TargetBatch
+from .speculative.engine import GenerationResult, SpeculativeEngine
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +177,36 @@ class CoreResult:
     stopped_by_string: bool = False
     guard_event: dict | None = None  # the drift guard fell back or recovered after this request
     draft: str | None = None  # the draft version that served it (draft_id at generation time)
+
+    def record(self) -> dict:
+        """The request's figures, flat: what every consumer reads. Decision fields are None
+        for a request the bandit did not choose."""
+        r, d = self.result, self.decision
+        return {
+            "mode": self.mode.spec,
+            "arm": r.arm,
+            "draft": self.draft,
+            "finish_reason": self.finish_reason,
+            "stopped_by_string": self.stopped_by_string,
+            "prompt_tokens": r.prompt_tokens,
+            "output_tokens": r.output_tokens,
+            "proposed": r.proposed,
+            "accepted": r.accepted,
+            "rounds": r.rounds,
+            "acceptance": r.acceptance,
+            "proposed_per_position": r.proposed_per_position,
+            "accepted_per_position": r.accepted_per_position,
+            "latency_s": r.latency_s,
+            "first_token_s": r.first_token_s,
+            "draft_s": r.draft_s,
+            "verify_s": r.verify_s,
+            "tokens_per_second": r.tokens_per_second,
+            "explored": d.explored if d else None,
+            "warmup": d.warmup if d else None,
+            "fallback": d.fallback if d else None,  # held to plain generation by the drift guard
+            "epsilon": d.epsilon if d else None,
+            "guard_event": self.guard_event["event"] if self.guard_event else None,
+        }
 
 
 @dataclass(eq=False)
@@ -542,57 +576,82 @@ class ServingCore:
                 return
 
 
-def build_core(cfg, ws, mode: str | None = None, served=None) -> ServingCore:
-    """Load models per config and build the core. Target-only mode skips loading the draft.
-    `served`: the draft (drafts.ServedDraft); default: `server.draft` resolved now."""
-    from .drafts import resolve_served
-
+def build_core(
+    cfg: Config, ws, served=None, mode: str | None = None, full_head: bool = False
+) -> ServingCore:
+    """Load the models per config and build the server's core (the local teacher's too: mode
+    target). `served`: the draft, already chosen (`drafts.resolve_served`); None: target only.
+    `full_head`: the draft proposes over its whole vocabulary whatever `engine.draft_vocab`."""
     mode = mode or cfg.server.mode
-    if mode != "target" and served is None:
-        served = resolve_served(cfg, ws)
-    pair = models.load_pair(cfg, ws, None if mode == "target" else served.spec)
-    has_draft = pair.draft_ref is not None
-    bandit = make_bandit(cfg, has_draft)
+    pair = models.load_pair(cfg, ws, served.spec if served else None, full_head=full_head)
     # A target-only server (the local teacher) compiles the one-token step alone; an ngram:K
     # request there verifies eagerly.
-    models.compile_engine(cfg, ws, pair.engine, ["0"] if mode == "target" else bandit.arms)
+    arms = ["0"] if mode == "target" else cfg.bandit.arms
+    models.compile_engine(cfg, ws, pair.engine, arms)
+    return make_core(
+        cfg,
+        pair,
+        mode,
+        draft_id=served.label if served else None,
+        draft_info=served.describe() if served else None,
+        state_file=ws.state / "bandit.json",
+    )
+
+
+def make_core(
+    cfg: Config,
+    pair: models.Pair,
+    mode: str | None = None,
+    draft_id: str | None = None,
+    draft_info: dict | None = None,
+    state_file: Path | None = None,
+    max_batch: int | None = None,
+    policy: str | None = None,
+) -> ServingCore:
+    """Every serving core (server, local teacher, bench, tests) is built here, its bandit and
+    drift guard from the config's `bandit` section. `mode`: the default mode (default
+    `server.mode`); `draft_id`, `draft_info`: the draft's label (tags, metrics) and what
+    /v1/models says of it; `max_batch`: plain requests batched together (default
+    `server.max_batch`; the bench runs one at a time); `policy`: another `bandit.policy`."""
+    has_draft = pair.draft_ref is not None
+    arms = [a for a in cfg.bandit.arms if has_draft or not parse_arm(a).needs_draft] or ["0"]
     core = ServingCore(
         pair.engine,
         pair.tokenizer,
-        bandit,
+        make_bandit(cfg.bandit, arms, policy),
         model_id=cfg.models.served_name or cfg.models.target,
-        draft_id=served.label if has_draft else None,
-        draft_info=served.describe() if has_draft else None,
+        draft_id=draft_id if has_draft else None,
+        draft_info=draft_info if has_draft else None,
         target_spec=cfg.models.target,
-        default_mode=mode,
-        state_file=ws.state / "bandit.json",
-        max_batch=cfg.server.max_batch,
-        guard=make_guard(cfg),
+        default_mode=mode or cfg.server.mode,
+        state_file=state_file,
+        max_batch=cfg.server.max_batch if max_batch is None else max_batch,
+        guard=make_guard(cfg.bandit),
     )
     core.pair = pair
     return core
 
 
-def make_bandit(cfg, has_draft: bool = True) -> EpsilonGreedy:
-    """A fresh bandit from the `bandit` config section, seeded; without a draft model, over the
-    arms that need none (0 and ngram:K)."""
-    b = cfg.bandit
-    arms = [a for a in b.arms if has_draft or not parse_arm(a).needs_draft]
-    args = (arms or ["0"], random.Random(b.seed), b.warmup_pulls)
+def make_bandit(
+    b: BanditConfig, arms: list | None = None, policy: str | None = None, seed: int | None = None
+) -> EpsilonGreedy:
+    """A fresh bandit per the `bandit` section (over `arms`, default `bandit.arms`; `policy`
+    and `seed` may replace the section's), seeded."""
+    args = (arms or b.arms, random.Random(b.seed if seed is None else seed), b.warmup_pulls)
     kw = dict(
         epsilon_start=b.epsilon_start,
         epsilon_floor=b.epsilon_floor,
         epsilon_decay=b.epsilon_decay,
         z=b.z,
     )
-    if b.policy == "contextual":
+    policy = policy or b.policy
+    if policy == "contextual":
         return ContextualBandit(*args, prior_weight=b.prior_weight, **kw)
-    return EpsilonGreedy(*args, explore="uniform" if b.policy == "seed" else "plausible", **kw)
+    return EpsilonGreedy(*args, explore="uniform" if policy == "seed" else "plausible", **kw)
 
 
-def make_guard(cfg) -> DriftGuard | None:
+def make_guard(b: BanditConfig) -> DriftGuard | None:
     """The drift guard per `bandit.fallback_*` (None: off)."""
-    b = cfg.bandit
     if not b.fallback:
         return None
     return DriftGuard(

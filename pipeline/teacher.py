@@ -422,17 +422,15 @@ def run(cfg: Config, ws: Workspace) -> dict[str, Any]:
     model = cfg.teacher.model or cfg.models.served_name or cfg.models.target
     stats = {"retries": 0, "tokens": 0}
     t_start = time.perf_counter()
+    # With the local teacher: enough requests in flight to fill its batches.
+    local = cfg.teacher.url == "local"
+    concurrency = max(cfg.teacher.concurrency, cfg.server.max_batch if local else 1)
     if todo:
-        if cfg.teacher.url == "local":
-            # Enough requests in flight to fill the local teacher's batches.
-            concurrency = max(cfg.teacher.concurrency, cfg.server.max_batch)
-            cfg = cfg.model_copy(
-                update={"teacher": cfg.teacher.model_copy(update={"concurrency": concurrency})}
-            )
+        if local:
             with local_teacher(cfg, ws) as url:
-                _answer_all(cfg, ws, url, model, todo, stats)
+                _answer_all(cfg, ws, url, model, todo, stats, concurrency)
         else:
-            _answer_all(cfg, ws, cfg.teacher.url, model, todo, stats)
+            _answer_all(cfg, ws, cfg.teacher.url, model, todo, stats, concurrency)
     elapsed = time.perf_counter() - t_start
     rows = load_answers(ws.answers_file)
     mine = [rows[i] for i in (p["task_id"] for p in prompts) if i in rows]
@@ -453,7 +451,7 @@ def run(cfg: Config, ws: Workspace) -> dict[str, Any]:
         "tokens_per_second_this_run": stats["tokens"] / elapsed if todo and elapsed > 0 else None,
         "teacher": "local" if cfg.teacher.url == "local" else cfg.teacher.url,
         "model": model,
-        "concurrency": cfg.teacher.concurrency,
+        "concurrency": concurrency,
     }
     atomic_write_json(ws.teacher / "summary.json", summary)
     log.info("distill summary: %s", json.dumps(summary))
@@ -480,7 +478,13 @@ def checked_logprobs(answer: Answer, task_id: int, url: str, cfg: Config) -> lis
 
 
 def _answer_all(
-    cfg: Config, ws: Workspace, url: str, model: str, todo: list[dict], stats: dict
+    cfg: Config,
+    ws: Workspace,
+    url: str,
+    model: str,
+    todo: list[dict],
+    stats: dict,
+    concurrency: int,
 ) -> None:
     t = cfg.teacher
     api_key = os.environ.get(t.api_key_env) if t.url != "local" else None
@@ -490,7 +494,7 @@ def _answer_all(
         t.request_timeout_s,
         t.max_retries,
         RetryBudget(t.retry_budget),
-        pool_size=max(10, t.concurrency),
+        pool_size=max(10, concurrency),
     )
     client.wait_ready(model, t.ready_timeout_s)
     extra: dict[str, Any] = {}
@@ -537,7 +541,7 @@ def _answer_all(
                 retries=stats["retries"],
             )
 
-    pool = ThreadPoolExecutor(max_workers=t.concurrency, thread_name_prefix="teacher")
+    pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="teacher")
     try:
         futures = [pool.submit(one, p) for p in todo]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)

@@ -53,6 +53,21 @@ class NullTelemetry:
         pass
 
 
+# A transaction's data: these fields of the request's record (`CoreResult.record()`).
+SENTRY_DATA = {
+    "latency_seconds": "latency_s",
+    "output_tokens": "output_tokens",
+    "prompt_tokens": "prompt_tokens",
+    "tokens_per_second": "tokens_per_second",
+    "draft_accepted": "accepted",
+    "draft_proposed": "proposed",
+    "acceptance": "acceptance",
+    "draft_seconds": "draft_s",
+    "verify_seconds": "verify_s",
+    "finish_reason": "finish_reason",
+}
+
+
 class SentryRecorder(NullRecorder):
     """Puts one request's figures on its transaction: the draft/verify split as two child spans
     of `phoenix.generate`, data, tags, and structured logs."""
@@ -62,48 +77,37 @@ class SentryRecorder(NullRecorder):
         self.started = datetime.now(timezone.utc)
 
     def record(self, res) -> None:
-        r, tx = res.result, self.tx
+        rec, tx = res.record(), self.tx
         # The engine interleaves draft and verify work per round; it returns the totals, laid
         # out here as two back-to-back child spans so a trace shows the split.
         t0 = self.started
         for op, name, secs in (
-            ("phoenix.draft", "draft candidate generation", r.draft_s),
-            ("phoenix.verify", "target verification", r.verify_s),
+            ("phoenix.draft", "draft candidate generation", rec["draft_s"]),
+            ("phoenix.verify", "target verification", rec["verify_s"]),
         ):
             if secs > 0:
                 span = self.gen.start_child(op=op, name=name, start_timestamp=t0)
                 t0 = t0 + timedelta(seconds=secs)
                 span.set_data("seconds", secs)
                 span.finish(end_timestamp=t0)
-        tx.set_tag("arm", str(r.arm))
-        if getattr(res, "draft", None):  # the draft version that ran it (hot swaps change it)
-            tx.set_tag("draft_version", res.draft)
-        data = {
-            "latency_seconds": r.latency_s,
-            "output_tokens": r.output_tokens,
-            "prompt_tokens": r.prompt_tokens,
-            "tokens_per_second": r.tokens_per_second,
-            "draft_accepted": r.accepted,
-            "draft_proposed": r.proposed,
-            "acceptance": r.acceptance,
-            "draft_seconds": r.draft_s,
-            "verify_seconds": r.verify_s,
-            "finish_reason": res.finish_reason,
-        }
+        tx.set_tag("arm", rec["arm"])
+        if rec["draft"]:  # the draft version that ran it (hot swaps change it)
+            tx.set_tag("draft_version", rec["draft"])
+        data = {name: rec[key] for name, key in SENTRY_DATA.items()}
         for key, value in data.items():
             tx.set_data(key, value)
         self.sdk.logger.info(
             "phoenix request mode={mode} arm={arm} latency={latency:.3f}s tokens/s={tps:.2f} "
             "accepted={accepted}/{proposed}",
             mode=self.mode.name,
-            arm=r.arm,
-            latency=r.latency_s,
-            tps=r.tokens_per_second,
-            accepted=r.accepted,
-            proposed=r.proposed,
-            attributes={"mode": self.mode.name, "arm": r.arm, **data},  # the transaction's fields
+            arm=rec["arm"],
+            latency=rec["latency_s"],
+            tps=rec["tokens_per_second"],
+            accepted=rec["accepted"],
+            proposed=rec["proposed"],
+            attributes={"mode": self.mode.name, "arm": rec["arm"], **data},  # the tx's fields
         )
-        ev = getattr(res, "guard_event", None)
+        ev = res.guard_event
         if ev is not None:  # the drift guard fell back to plain generation, or recovered
             with self.sdk.new_scope() as scope:
                 scope.set_tag("speculation", ev["event"])

@@ -141,25 +141,26 @@ def open_log(cfg: Config, ws: Workspace) -> TrafficLog | None:
     return TrafficLog(folder, int(t.max_file_mb * 2**20), t.max_files, t.pause_s)
 
 
-def record_of(res, prompt_ids: list[int], kind: str, draft: str | None) -> dict[str, Any]:
+# What a captured line keeps of the request's record (`CoreResult.record()`).
+CAPTURED = (
+    "finish_reason", "stopped_by_string", "mode", "arm", "draft", "proposed_per_position",
+    "accepted_per_position",
+)  # fmt: skip
+
+
+def record_of(res, prompt_ids: list[int], kind: str) -> dict[str, Any]:
     """One captured request (`res`: a serving.CoreResult)."""
-    r = res.result
+    rec = res.record()
     return {
         "id": uuid.uuid4().hex,
         "ts": time.time(),
         "kind": kind,
         "prompt_sha256": prompt_hash(prompt_ids),
         "prompt_token_ids": list(prompt_ids),
-        "token_ids": list(r.token_ids),
-        "finish_reason": res.finish_reason,
-        "stopped_by_string": res.stopped_by_string,
-        "mode": res.mode.spec,
-        "arm": r.arm,
-        "draft": draft,
-        "proposed_per_position": r.proposed_per_position,
-        "accepted_per_position": r.accepted_per_position,
-        "latency_s": round(r.latency_s, 4),
-        "tokens_per_second": round(r.tokens_per_second, 3),
+        "token_ids": list(res.result.token_ids),
+        **{k: rec[k] for k in CAPTURED},
+        "latency_s": round(rec["latency_s"], 4),
+        "tokens_per_second": round(rec["tokens_per_second"], 3),
     }
 
 

@@ -11,7 +11,6 @@ and the /metrics text. Its own process, because the Sentry SDK is process-wide.
 """
 
 import json
-import random
 import sys
 from pathlib import Path
 
@@ -20,8 +19,7 @@ import requests
 from pipeline import models
 from pipeline.config import load_config
 from pipeline.server import create_app
-from pipeline.serving import ServingCore
-from pipeline.speculative.bandit import DriftGuard, EpsilonGreedy
+from pipeline.serving import make_core
 from pipeline.speculative.engine import SpeculativeEngine
 from pipeline.telemetry import setup_telemetry
 from tests.conftest import TINY_TARGET, wait_http
@@ -39,10 +37,21 @@ def main() -> None:
     slow = Valve(draft)
     engine = SpeculativeEngine(target, draft, [tok.eos_token_id])
     # No exploration: after warm-up the bandit exploits draft:4, so only the guard can stop it.
-    bandit = EpsilonGreedy(["0", "draft:4"], random.Random(0), 1, 0.0, 0.0)
-    guard = DriftGuard(window=3, margin=0.2, cooldown=COOLDOWN, min_samples=2)
-    core = ServingCore(engine, tok, bandit, "tiny", "copy", guard=guard)
-    telemetry = setup_telemetry(load_config(None), component="server")
+    cfg = load_config(
+        None,
+        [
+            "bandit.arms=[0, 'draft:4']",
+            "bandit.policy=seed",
+            "bandit.epsilon_start=0",
+            "bandit.epsilon_floor=0",
+            "bandit.fallback_window=3",
+            f"bandit.fallback_cooldown={COOLDOWN}",
+            "bandit.fallback_min_samples=2",
+            "models.served_name=tiny",
+        ],
+    )
+    core = make_core(cfg, models.Pair(tok, engine, t, "copy"), "bandit", "copy", max_batch=1)
+    telemetry = setup_telemetry(cfg, component="server")
     out = []
     with ServerThread(create_app(lambda: core, telemetry=telemetry)) as s:
         wait_http(s.url + "/health")

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import json
-import random
 import socket
 import threading
 import time
 
 import uvicorn
 
-from pipeline.serving import ServingCore
-from pipeline.speculative.bandit import EpsilonGreedy
+from pipeline.config import load_config
+from pipeline.models import Pair
+from pipeline.serving import ServingCore, make_core
 from pipeline.speculative.engine import SpeculativeEngine
 from tests.conftest import free_port
+
+TINY_ARMS = ["0", "draft:2", "draft:4", "draft:6", "draft:8", "ngram:4"]
 
 
 class ServerThread:
@@ -39,22 +41,32 @@ class ServerThread:
         self.thread.join(timeout=30)
 
 
-def tiny_core(tiny_models, state_file=None, mode="bandit", seed=0, max_batch=1) -> ServingCore:
+def tiny_core(
+    tiny_models,
+    state_file=None,
+    mode="bandit",
+    seed=0,
+    max_batch=1,
+    arms=TINY_ARMS,
+    with_draft=True,
+    sets=("bandit.fallback=false",),
+) -> ServingCore:
+    """A serving core over the tiny pair, built as every core is (`make_core`), from the
+    default config with these arms (`sets`: more overrides; the drift guard off by default)."""
     tok, target, draft = tiny_models
-    engine = SpeculativeEngine(target, draft, [tok.eos_token_id])
-    bandit = EpsilonGreedy(
-        ["0", "draft:2", "draft:4", "draft:6", "draft:8", "ngram:4"], random.Random(seed)
+    engine = SpeculativeEngine(target, draft if with_draft else None, [tok.eos_token_id])
+    cfg = load_config(
+        None,
+        [
+            f"bandit.arms={json.dumps(arms)}",
+            f"bandit.seed={seed}",
+            "models.served_name=tiny",
+            *sets,
+        ],
     )
-    return ServingCore(
-        engine,
-        tok,
-        bandit,
-        "tiny",
-        "cut:1",
-        default_mode=mode,
-        state_file=state_file,
-        max_batch=max_batch,
-    )
+    draft_ref = "cut:1" if with_draft else None
+    pair = Pair(tok, engine, "tiny", draft_ref)
+    return make_core(cfg, pair, mode, draft_ref, state_file=state_file, max_batch=max_batch)
 
 
 class Valve:

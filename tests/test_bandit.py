@@ -13,7 +13,23 @@ ARMS = [0, 2, 4, 6, 8]
 
 
 def make(seed=0, **kw):
-    return EpsilonGreedy(ARMS, random.Random(seed), **kw)
+    """The seed's policy: two warm-up pulls per arm, uniform exploration."""
+    return EpsilonGreedy(
+        ARMS, random.Random(seed), **{"warmup_pulls": 2, "explore": "uniform", **kw}
+    )
+
+
+def test_the_bandits_defaults_are_the_configs():
+    """One set of defaults: EpsilonGreedy's own are the `bandit` section's."""
+    import inspect
+
+    from pipeline.config import BanditConfig
+
+    b = BanditConfig()
+    params = inspect.signature(EpsilonGreedy).parameters
+    for name in ("warmup_pulls", "epsilon_start", "epsilon_floor", "epsilon_decay", "z"):
+        assert params[name].default == getattr(b, name), name
+    assert params["explore"].default == b.policy == "plausible"
 
 
 def drive(b, rewards, n, noise_seed=1):
@@ -179,24 +195,27 @@ def _rec(lat, tokens=10, proposed=0, accepted=0, prompt_tokens=100):
 
 
 def test_replay_of_measured_arms_scores_policies_like_the_bench():
-    """benchmarks/bandit_replay.py: arm 0 is always twice as fast as any drafting arm."""
+    """The bandit replay (benchmarks/bandit_replay.py): arm 0 is always twice as fast as any
+    drafting arm."""
     from pipeline.config import load_config
-    from tests.conftest import ROOT
+    from pipeline.serving import make_bandit, make_guard
+    from pipeline.speculative.replay import replay
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bandit_replay import replay
-
-    cfg = load_config(None, ["bandit.warmup_pulls=1"])
+    b = load_config(None, ["bandit.warmup_pulls=1"]).bandit
     arms = ["0", "draft:2", "draft:4", "ngram:2", "ngram:4"]
+
+    def walk(table, policy, seed=0):
+        return replay(table, arms, make_bandit(b, arms, policy, seed), make_guard(b))
+
     table = {a: {i: _rec(1.0 if a == "0" else 2.0) for i in range(50)} for a in arms}
     # Rewards without noise: plausible and contextual never explore a slower arm after warm-up.
     for policy in ("plausible", "contextual"):
-        r = replay(table, arms, cfg, policy, seed=0)
+        r = walk(table, policy)
         assert (r["ratio"], r["best_share"], r["best_arm"], r["fallbacks"]) == (1.0, 1.0, "0", 0)
-    seed = [replay(table, arms, cfg, "seed", seed=s) for s in range(10)]
+    seed = [walk(table, "seed", s) for s in range(10)]
     assert all(0.5 <= r["ratio"] < 1.0 and r["best_share"] < 1.0 for r in seed)
     even = {a: {i: _rec(1.0) for i in range(50)} for a in arms}
-    assert replay(even, arms, cfg, "seed", seed=0)["ratio"] == 1.0
+    assert walk(even, "seed")["ratio"] == 1.0
 
 
 def test_contextual_policy_learns_a_different_best_arm_per_prompt_length():

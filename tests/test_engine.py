@@ -205,10 +205,12 @@ def test_arm_without_draft_is_refused(tiny_models):
 
 
 def test_batched_target_generation_equals_one_at_a_time(engines):
+    from pipeline.speculative.batch import generate_batch
+
     tok, cut, _ = engines
     prompts = [ids_for(tok, t) for t in PROMPTS + ["x", "Write a long story about a function."]]
     limits = [30, 12, 30, 5, 25]
-    batch = cut.generate_batch(prompts, limits)
+    batch = generate_batch(cut, prompts, limits)
     for p, n, b in zip(prompts, limits, batch, strict=True):
         single = cut.generate(p, 0, n)
         assert b.token_ids == single.token_ids and b.finish_reason == single.finish_reason
@@ -217,7 +219,7 @@ def test_batched_target_generation_equals_one_at_a_time(engines):
 def test_rows_joining_a_running_batch_get_one_at_a_time_output(engines):
     """Continuous batching: rows added between steps (shorter and longer prompts than the
     running rows' cache) decode exactly as they would alone; finished rows leave at once."""
-    from pipeline.speculative.engine import TargetBatch
+    from pipeline.speculative.batch import TargetBatch
 
     tok, cut, _ = engines
     first = [ids_for(tok, "hello"), ids_for(tok, PROMPTS[0])]
@@ -248,7 +250,7 @@ def test_skinny_linears_match_plain_linear_and_leave_training_alone():
     import torch
     import torch.nn.functional as F
 
-    from pipeline.speculative.engine import SKINNY_MAX_ROWS, use_skinny_linears
+    from pipeline.speculative.cpu import SKINNY_MAX_ROWS, use_skinny_linears
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 8, bias=False))
@@ -266,7 +268,7 @@ def test_skinny_linears_match_plain_linear_and_leave_training_alone():
 
 
 def test_ngram_index_proposes_what_followed_the_latest_longest_match():
-    from pipeline.speculative.engine import NgramIndex
+    from pipeline.speculative.proposers import NgramProposer as NgramIndex
 
     seq = [1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 2, 3]
     # Last 3 tokens (7, 2, 3) never occurred before; (2, 3) did, latest at 6..7, followed by 5, 7.
@@ -305,7 +307,7 @@ def test_ngram_strategy_is_lossless_and_needs_no_draft(tiny_models, k):
 def test_ngram_proposals_that_match_the_target_are_all_accepted(tiny_models, monkeypatch):
     """Proposals equal to the target's own continuation (a lookup that always finds the right
     span): every one is accepted and a round commits k + 1 tokens; the output is unchanged."""
-    from pipeline.speculative import engine as engine_mod
+    from pipeline.speculative import proposers
 
     tok, target, _ = tiny_models
     eng = SpeculativeEngine(target, None, [tok.eos_token_id])
@@ -313,7 +315,7 @@ def test_ngram_proposals_that_match_the_target_are_all_accepted(tiny_models, mon
     ref = eng.generate(ids, 0, 24).token_ids
     assert len(ref) == 24
     monkeypatch.setattr(
-        engine_mod.NgramIndex, "propose", lambda self, seq, k: ref[len(seq) - len(ids) :][:k]
+        proposers.NgramProposer, "propose", lambda self, seq, k: ref[len(seq) - len(ids) :][:k]
     )
     r = eng.generate(ids, 3, 24, strategy="ngram")
     assert r.token_ids == ref

@@ -9,7 +9,8 @@ import torch
 
 from pipeline import models
 from pipeline.config import load_config
-from pipeline.speculative.engine import SpeculativeEngine, draft_token
+from pipeline.speculative.engine import SpeculativeEngine
+from pipeline.speculative.proposers import draft_token
 from pipeline.workspace import Workspace
 
 from .test_engine import PROMPTS, ids_for
@@ -48,8 +49,7 @@ def compiled_engines(tiny_models, cpu_gqa):
     cut.compile_steps(ARMS, backend="eager")
     cut.warm_up(ARMS)
     selfd = SpeculativeEngine(target, target, eos, static_len=128, share_target=cut)
-    selfd.compile_steps(ARMS, backend="eager")
-    selfd._draft_step = draft_token
+    selfd.compile_steps(ARMS, backend="eager", draft=False)
     selfd.warm_up(ARMS)
     return cut, selfd
 
@@ -83,10 +83,10 @@ def test_pruned_head_only_guesses_inside_its_subset(tiny_models):
     for text in PROMPTS:
         ids = torch.tensor([ids_for(tok, text)])
         with torch.inference_mode():
-            head, head_ids = eng._draft_head, eng._draft_ids
-            t, d = eng._new_caches(with_draft=True)
+            head, head_ids = eng.drafter.step.args
+            d = eng.drafter.step.new_cache()
             assert int(draft_token(draft, ids, d, head, head_ids)) in allowed
-            _, d2 = full._new_caches(with_draft=True)
+            d2 = full.drafter.step.new_cache()
             seen_outside_with_full_head |= (
                 int(draft_token(draft, ids, d2, None, None)) not in allowed
             )

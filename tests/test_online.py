@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from pipeline import models, retrain, traffic
+from pipeline import artifacts, models, traffic
 from pipeline.config import load_config
 from pipeline.server import build_app
 from pipeline.workspace import Workspace, read_jsonl
@@ -155,7 +155,7 @@ def promote_copy(art: Path, run: str, source: Path) -> Path:
     (art / "runs" / run / "gate.json").write_text(
         json.dumps({"published": {"version": f"v0009-{run}"}})
     )
-    retrain.point_current(art, run)
+    artifacts.point_current(art, run)
     return merged
 
 
@@ -232,7 +232,7 @@ def test_a_promoted_draft_is_swapped_in_under_load_without_failing_a_request(mer
             shutil.copytree(base_dir, broken)
             (broken / "phoenix.json").write_text("{}")
             (broken / "model.safetensors").write_bytes(b"not weights")
-            retrain.point_current(art, "r3")  # the watcher fails on it too; ask directly
+            artifacts.point_current(art, "r3")  # the watcher fails on it too; ask directly
             r = requests.post(url + "/admin/reload-draft", timeout=120)
             assert r.status_code == 500 and r.json()["error"]["code"] == "draft_reload_failed"
             assert fingerprint(url, prompts) == after  # the old draft serves on
@@ -298,7 +298,7 @@ def test_retrain_learns_from_captured_traffic_without_a_teacher(merged_ws, tmp_p
     res = cli(*args, "retrain")
     assert res.returncode == 0, res.log[-3000:]
     assert "24 new trainable record(s) and 6 to hold out" in res.log and "1 bad line" in res.log
-    run = retrain.current_run(art)
+    run = artifacts.current_run(art)
     run_dir = art / "runs" / run
     assert len(read_jsonl(run_dir / "teacher" / "answers.jsonl")) == 24
     test_rows = read_jsonl(run_dir / "data" / "test.jsonl")
@@ -311,7 +311,7 @@ def test_retrain_learns_from_captured_traffic_without_a_teacher(merged_ws, tmp_p
     res = cli(*args, "retrain")  # no traffic since the promoted run
     assert res.returncode == 0 and "nothing to do: 0 new trainable record(s)" in res.log
     assert "0 newer than the last run that ended" in res.log
-    assert retrain.current_run(art) == run
+    assert artifacts.current_run(art) == run
 
 
 @pytest.mark.parametrize(

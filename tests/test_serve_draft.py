@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from pipeline import drafts
+from pipeline import artifacts, drafts
 from pipeline.config import load_config
 from pipeline.errors import ConfigError
 from pipeline.workspace import Workspace, read_jsonl
@@ -106,7 +106,7 @@ def test_named_drafts_and_what_is_wrong_with_them(tmp_path):
 def test_acceptance_is_named_only_for_the_exact_weights_benched(tmp_path):
     ws = Workspace(tmp_path)
     fake_model(ws.merged)
-    sha = drafts.weights_id(ws.merged)
+    sha = artifacts.weights_id(ws.merged)
     results = {
         "draft_weights": {"base": "0" * 64, "distilled": sha},
         "rows": [

@@ -292,17 +292,17 @@ def test_client_disconnect_frees_the_slot(tiny_models):
 
 
 def test_restart_keeps_bandit_state(tmp_path):
-    """The served core as `serve` builds it (build_core: state under <artifacts>/state), started
-    three times on one workspace."""
+    """The app `serve` runs (`build_app`: state under <artifacts>/state), started three times on
+    one workspace."""
     from pipeline.config import load_config
-    from pipeline.serving import build_core
+    from pipeline.server import build_app
     from pipeline.workspace import Workspace
 
     cfg, ws = load_config("configs/ci.yaml"), Workspace(tmp_path / "art")
     state = ws.state / "bandit.json"
 
     def serve_and_post(n: int) -> list[dict]:
-        with ServerThread(create_app(lambda: build_core(cfg, ws))) as s:
+        with ServerThread(build_app(cfg, ws)) as s:
             wait_http(s.url + "/health")
             model = requests.get(s.url + "/v1/models", timeout=5).json()["data"][0]["id"]
             out = []
@@ -326,15 +326,7 @@ def test_restart_keeps_bandit_state(tmp_path):
 
 
 def test_target_requests_are_batched_with_identical_output(tiny_models):
-    from pipeline.serving import ServingCore
-
-    def load():
-        c = tiny_core(tiny_models)
-        return ServingCore(
-            c.engine, c.tokenizer, c.bandit, "tiny", "cut:1", default_mode="target", max_batch=4
-        )
-
-    app = create_app(load, queue_size=8)
+    app = create_app(lambda: tiny_core(tiny_models, mode="target", max_batch=4), queue_size=8)
     texts = [f"Write a function number {i}." for i in range(8)]
     with ServerThread(app) as s:
         wait_http(s.url + "/health")
@@ -364,7 +356,7 @@ def test_stop_strings_are_held_back_until_final(tiny_models):
 
 
 def test_a_bad_row_is_refused_alone():
-    from pipeline.speculative.engine import TargetBatch
+    from pipeline.speculative.batch import TargetBatch
 
     with pytest.raises(ValueError, match="non-empty prompt"):
         TargetBatch.check_row([], 4)
@@ -433,7 +425,7 @@ def test_compiled_server_warms_before_health_and_bounds_context(tmp_path, monkey
     cores = []
 
     def load():
-        cores.append(build_core(cfg, Workspace(tmp_path / "art"), mode="target"))
+        cores.append(build_core(cfg, Workspace(tmp_path / "art"), None, "target"))
         return cores[0]
 
     with ServerThread(create_app(load)) as s:
@@ -460,18 +452,10 @@ def test_compiled_server_warms_before_health_and_bounds_context(tmp_path, monkey
 def test_ngram_mode_needs_no_draft_and_bad_modes_name_the_valid_arms(tiny_models):
     """A server without a draft model serves ngram:K (and a bandit over 0 and ngram arms); an
     unknown strategy, an unconfigured length or a draft arm there is a 400 naming the arms."""
-    import random
-
-    from pipeline.serving import ServingCore
-    from pipeline.speculative.bandit import EpsilonGreedy
-    from pipeline.speculative.engine import SpeculativeEngine
-
-    tok, target, _ = tiny_models
 
     def load():
-        engine = SpeculativeEngine(target, None, [tok.eos_token_id])
-        bandit = EpsilonGreedy(["0", "ngram:2", "ngram:4"], random.Random(0))
-        return ServingCore(engine, tok, bandit, "tiny", None, default_mode="ngram:4")
+        arms = ["0", "ngram:2", "ngram:4"]
+        return tiny_core(tiny_models, mode="ngram:4", arms=arms, with_draft=False)
 
     with ServerThread(create_app(load)) as s:
         wait_http(s.url + "/health")

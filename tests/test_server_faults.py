@@ -82,7 +82,7 @@ def sigterm_exits_within(proc: subprocess.Popen, deadline_s: float) -> float:
 @contextlib.contextmanager
 def ci_server(art, mode: str, real_process: bool):
     """What `python -m pipeline serve --config configs/ci.yaml --mode MODE` serves: as that very
-    process (and then SIGTERM must stop it), or its app (`build_core`) in this process."""
+    process (and then SIGTERM must stop it), or its app (`build_app`) in this process."""
     if real_process:
         proc, url = start_serve(art, mode=mode)
         try:
@@ -91,11 +91,10 @@ def ci_server(art, mode: str, real_process: bool):
             sigterm_exits_within(proc, 15)
         return
     from pipeline.config import load_config
-    from pipeline.serving import build_core
+    from pipeline.server import build_app
     from pipeline.workspace import Workspace
 
-    cfg = load_config("configs/ci.yaml")
-    with ServerThread(create_app(lambda: build_core(cfg, Workspace(art), mode=mode))) as s:
+    with ServerThread(build_app(load_config("configs/ci.yaml"), Workspace(art), mode)) as s:
         wait_http(s.url + "/health", timeout=60)
         yield s.url
 

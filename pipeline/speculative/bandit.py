@@ -3,12 +3,13 @@ rewards, no models.
 
 Arms are any hashable ids (the server's are `arms.Arm` texts: 0, draft:K, ngram:K).
 
-Schedule (the seed's, and the default): every arm is pulled `warmup_pulls` times first, in
-order; then with probability eps_t = max(floor, start * decay**t) (t = decisions after warm-up)
-a uniformly random arm is explored, otherwise the arm with the best running-average reward is
-exploited. Means are updated incrementally: r_a <- r_a + (r - r_a) / n_a.
+Schedule: every arm is pulled `warmup_pulls` times first, in order; then with probability
+eps_t = max(floor, start * decay**t) (t = decisions after warm-up) an arm is explored,
+otherwise the arm with the best running-average reward is exploited. Means are updated
+incrementally: r_a <- r_a + (r - r_a) / n_a.
 
-`explore="plausible"` (optional) explores only among arms that could still be the best: those
+`explore="uniform"` (the seed's policy) explores any arm at random; `explore="plausible"`
+(policy `plausible`, the default) explores only among arms that could still be the best: those
 whose mean plus `z` standard errors reaches the best arm's mean (an arm with one reward uses
 the arms' pooled spread; without one, and with no reward, it qualifies). Arms that are clearly slower stop costing exploration time, which is
 what keeps the bandit close to the best single arm when one arm dominates.
@@ -67,17 +68,18 @@ class Decision:
 
 
 class EpsilonGreedy:
-    """Thread-safe epsilon-greedy bandit with an injected RNG."""
+    """Thread-safe epsilon-greedy bandit with an injected RNG. Its defaults are the `bandit`
+    config section's (tested); servers build it from the config (`serving.make_bandit`)."""
 
     def __init__(
         self,
         arms: list[int],
         rng: random.Random,
-        warmup_pulls: int = 2,
+        warmup_pulls: int = 1,
         epsilon_start: float = 0.3,
         epsilon_floor: float = 0.05,
         epsilon_decay: float = 0.97,
-        explore: str = "uniform",
+        explore: str = "plausible",
         z: float = 2.0,
     ):
         if explore not in ("uniform", "plausible"):

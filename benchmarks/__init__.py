@@ -1,0 +1,1 @@
+"""Measurement scripts; run each from the repository root as `python -m benchmarks.NAME`."""
