@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from pipeline.report import aggregate, bandit_summary, build_rows, percentile, position_acceptance
-from tests.conftest import CI, copy_workspace, run_cli, wait_http
+from tests.conftest import CI, copy_workspace, wait_http
 from tests.servers import ServerThread
 
 
@@ -76,13 +76,14 @@ def test_position_acceptance_and_bandit_summary():
     )
 
 
-def test_bench_ci_end_to_end(merged_ws, tmp_path):
-    """bench's command-line end-to-end test: a real process on the session's merged workspace."""
+def test_bench_ci_end_to_end(merged_ws, tmp_path, cli):
+    """bench's command-line end-to-end test on the session's merged workspace (`main()` in
+    this process; `make test-slow` runs the whole demo as a real process)."""
     art = copy_workspace(merged_ws, tmp_path / "art")
-    sets = ["--set", "bench.prompts=11", "--set", "bench.max_new_tokens=8"]
+    sets = ["--set", "bench.prompts=8", "--set", "bench.max_new_tokens=8"]
     sets += ["--set", "engine.draft_vocab=64"]  # both drafts guess among 64 recorded tokens
-    r = run_cli("bench", *CI, "--artifacts", str(art), *sets)
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = cli("bench", *CI, "--artifacts", str(art), *sets)
+    assert r.returncode == 0, r.log[-3000:]
     bench = art / "bench"
     results = json.loads((bench / "results.json").read_text())
     assert results["lossless"] is True and results["mismatches"] == []
@@ -99,7 +100,7 @@ def test_bench_ci_end_to_end(merged_ws, tmp_path):
         ("distilled", "bandit"),
     }
     for row in results["rows"]:
-        assert row["requests"] == 11 and row["tokens_per_second"] > 0
+        assert row["requests"] == 8 and row["tokens_per_second"] > 0
         assert {
             "mean_latency_s",
             "p50_latency_s",
@@ -112,8 +113,8 @@ def test_bench_ci_end_to_end(merged_ws, tmp_path):
         assert (row["acceptance_rate"] is None) == (row["mode"] == "target")
         assert (row["arm_counts"] is not None) == (row["mode"] == "bandit")
         if row["mode"] == "bandit":
-            assert sum(row["arm_counts"].values()) == 11
-    assert len(results["requests"]) == 6 * 11
+            assert sum(row["arm_counts"].values()) == 8
+    assert len(results["requests"]) == 6 * 8
     assert set(results["position_acceptance"]) == {"base", "distilled", "ngram (no draft)"}
     # The distilled draft was trained on this target's answers: it must agree with it more often.
     gain = results["distillation_gain"]["fixed_4"]

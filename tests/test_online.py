@@ -7,6 +7,7 @@ import shutil
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -266,17 +267,13 @@ def test_retrain_learns_from_captured_traffic_without_a_teacher(merged_ws, tmp_p
     prompts = [r["prompt"] for r in read_jsonl(Path(merged_ws) / "data" / "test.jsonl")]
     with ServerThread(build_app(cfg, ws, mode="target")) as s:
         wait_http(s.url + "/health", timeout=60)
-        for p in prompts[:30]:
-            r = requests.post(
-                s.url + CHAT,
-                json={
-                    "model": MODEL,
-                    "messages": [{"role": "user", "content": p}],
-                    "max_tokens": 24,
-                },
-                timeout=60,
-            )
-            assert r.ok
+
+        def ask(p: str) -> bool:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": p}], "max_tokens": 24}
+            return requests.post(s.url + CHAT, json=body, timeout=60).ok
+
+        with ThreadPoolExecutor(8) as pool:  # the server batches them
+            assert all(pool.map(ask, prompts[:30]))
     folder = art / "traffic"
     with open(sorted(folder.iterdir())[-1], "a") as f:
         f.write('{"id": "torn", "ts": 9')  # a crash mid-write
@@ -294,6 +291,7 @@ def test_retrain_learns_from_captured_traffic_without_a_teacher(merged_ws, tmp_p
         "teacher.url=http://127.0.0.1:9/v1",  # nobody there: a teacher call would fail
         "--set",
         "retrain.min_gain=-1",
+        *("--set", "train.max_steps=6", "--set", "bench.max_new_tokens=8"),  # the gate's inputs
     )
     res = cli(*args, "retrain")
     assert res.returncode == 0, res.log[-3000:]

@@ -14,7 +14,7 @@ from pipeline import artifacts, drafts
 from pipeline.config import load_config
 from pipeline.errors import ConfigError
 from pipeline.workspace import Workspace, read_jsonl
-from tests.conftest import CI, start_serve, wait_http
+from tests.conftest import CI, wait_http
 from tests.servers import ServerThread
 
 CHAT = "/v1/chat/completions"
@@ -160,9 +160,12 @@ def expected_acceptance(cfg, ws, draft_spec: str, prompt: str) -> list[int]:
     return pair.engine.generate(ids, 4, 24).accepted_per_position
 
 
-def test_serve_with_defaults_serves_the_merged_draft(merged_ws, tmp_path):
-    """`serve` with the config's defaults after merge: the merged draft, by its id in
-    /v1/models and by its acceptance; `base` and an explicit path serve what they name."""
+def test_serve_with_defaults_serves_the_merged_draft(merged_ws, tmp_path, caplog):
+    """The app `serve` runs (`build_app`) with the config's defaults after merge: the merged
+    draft, by its id in /v1/models and by its acceptance; `base` and an explicit path serve what
+    they name. (`python -m pipeline serve` itself runs in tests/test_online.py.)"""
+    import logging
+
     from pipeline.server import build_app
 
     ws = Workspace(merged_ws)
@@ -172,18 +175,16 @@ def test_serve_with_defaults_serves_the_merged_draft(merged_ws, tmp_path):
     base = [expected_acceptance(cfg, ws, cfg.models.draft, p) for p in prompts]
     assert merged != base  # the fingerprint tells the two drafts apart
 
-    proc, url = start_serve(merged_ws, mode=None)
-    try:
-        entry = requests.get(url + "/v1/models", timeout=10).json()["data"][0]
+    caplog.set_level(logging.INFO)
+    with ServerThread(build_app(cfg, ws)) as s:
+        wait_http(s.url + "/health", timeout=60)
+        entry = requests.get(s.url + "/v1/models", timeout=10).json()["data"][0]
         draft = entry["metadata"]["draft"]
         assert draft["spec"] == str(ws.merged) and draft["source"] == "merged"
         assert draft["version"].startswith("v0001-")  # merge pushed it to the local registry
         assert entry["metadata"]["target"] == cfg.models.target
-        assert [served_acceptance(url, p) for p in prompts] == merged
-    finally:
-        proc.terminate()
-        _, err = proc.communicate(timeout=30)
-    assert f"with draft {ws.merged} (latest: the newest verified merged draft" in err
+        assert [served_acceptance(s.url, p) for p in prompts] == merged
+    assert f"with draft {ws.merged} (latest: the newest verified merged draft" in caplog.text
 
     copy = shutil.copytree(ws.merged, tmp_path / "my-draft")
     for choice, spec, want in (("base", "cut:1", base), (str(copy), str(copy), merged)):
