@@ -30,6 +30,15 @@ def server(tiny_models, tmp_path):
         yield s
 
 
+@pytest.fixture(scope="module")
+def shared_server(tiny_models):
+    """One server for the tests that only check answers (the bad-input cases): each would
+    otherwise start and stop its own."""
+    with ServerThread(create_app(lambda: tiny_core(tiny_models), queue_size=4)) as s:
+        wait_http(s.url + "/health")
+        yield s
+
+
 def post(server, path, body, **kw):
     return requests.post(server.url + path, json=body, timeout=60, **kw)
 
@@ -205,7 +214,8 @@ def test_streaming_matches_non_streaming(server):
         ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n"),
     ],
 )
-def test_bad_input_gets_openai_error_and_server_keeps_serving(server, raw, status, param):
+def test_bad_input_gets_openai_error_and_server_keeps_serving(shared_server, raw, status, param):
+    server = shared_server
     if isinstance(raw, bytes):
         r = requests.post(
             server.url + CHAT, data=raw, headers={"Content-Type": "application/json"}, timeout=10
@@ -220,7 +230,8 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(server, raw, statu
     assert post(server, CHAT, chat_body(max_tokens=4)).status_code == 200
 
 
-def test_unknown_path_and_method(server):
+def test_unknown_path_and_method(shared_server):
+    server = shared_server
     assert requests.get(server.url + "/v1/nothing", timeout=5).status_code == 404
     assert requests.get(server.url + CHAT, timeout=5).status_code == 405
 
