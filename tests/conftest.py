@@ -146,7 +146,7 @@ def wait_http(url: str, timeout: float = 60.0, status: int = 200) -> None:
                 return
         except requests.RequestException as exc:
             last = exc
-        time.sleep(0.2)
+        time.sleep(0.02)  # loopback: polling costs nothing, waiting does
     raise TimeoutError(f"{url} not {status} after {timeout}s (last: {last})")
 
 

@@ -83,7 +83,7 @@ class FakeSentry:
         while time.monotonic() < deadline:
             if predicate():
                 return True
-            time.sleep(0.1)
+            time.sleep(0.02)
         return predicate()
 
     def __enter__(self) -> FakeSentry:
