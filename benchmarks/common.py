@@ -19,6 +19,7 @@ import torch
 from pipeline import models
 from pipeline.bench import environment as _environment
 from pipeline.speculative.steps import ModelStep, crop_to
+from pipeline.subprocs import PREEXEC, free_port, stop
 from pipeline.teacher import serve_command
 from pipeline.workspace import atomic_write_json, atomic_write_text
 
@@ -79,14 +80,6 @@ def run_stage(
     return rc, time.perf_counter() - t0
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def server(
     config: str, artifacts: Path, mode: str, sets=(), log: Path | None = None, cache=None,
@@ -101,7 +94,9 @@ def server(
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(log, "ab") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, preexec_fn=PREEXEC
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         while True:
@@ -115,12 +110,7 @@ def server(
             time.sleep(0.5)
         yield url, time.perf_counter() - t0
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, 60)
 
 
 def served_model(url: str) -> dict:

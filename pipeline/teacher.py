@@ -15,8 +15,6 @@ import email.utils
 import json
 import logging
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +30,7 @@ from tqdm import tqdm
 
 from .config import Config, dump_config
 from .errors import InputError, PhoenixError, TeacherUnavailable
+from .subprocs import PREEXEC, free_port, stop
 from .workspace import Workspace, atomic_write_json, atomic_write_text, read_jsonl
 
 log = logging.getLogger(__name__)
@@ -288,21 +287,6 @@ def _error_message(r: requests.Response) -> str:
 
 
 # --- local teacher ---------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> (
-    None
-):  # runs in the child before exec (Linux): no orphans, even on kill -9
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def serve_command(config, artifacts, port: int, mode: str, extra: list[str] = ()) -> list[str]:
     """`python -m pipeline serve` on 127.0.0.1:port (the local teacher, the engine benchmark)."""
     return [
@@ -324,7 +308,7 @@ def local_teacher(cfg: Config, ws: Workspace) -> Iterator[str]:
     atomic_write_text(
         cfg_file, dump_config(cfg.model_copy(update={"engine": eager, "traffic": quiet}))
     )
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != cfg.server.api_key_env}
     log_path = ws.teacher / "local-teacher.log"
     cmd = serve_command(cfg_file, ws.root, port, "target", ["--cache", str(ws.cache)])
@@ -335,18 +319,12 @@ def local_teacher(cfg: Config, ws: Workspace) -> Iterator[str]:
             stdout=logf,
             stderr=subprocess.STDOUT,
             env=env,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=PREEXEC,
         )
     try:
         yield f"http://127.0.0.1:{port}/v1"
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc)
         log.info("local teacher stopped")
 
 
