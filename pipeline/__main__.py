@@ -22,7 +22,7 @@ from .workspace import Workspace, atomic_write_text
 
 log = logging.getLogger("pipeline")
 
-STAGES = ["split", "distill", "train", "merge", "bench", "retrain", "serve", "demo"]
+STAGES = ["split", "distill", "train", "merge", "bench", "retrain", "serve", "demo", "tune-vllm"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="serve: address to bind (default from config: 127.0.0.1)")
     p.add_argument("--port", type=int, help="serve: port (default from config)")
     p.add_argument("--mode", help="serve: target | fixed:K | bandit (default from config)")
+    p.add_argument(
+        "--engine",
+        choices=["phoenix", "vllm"],
+        default="phoenix",
+        help="serve: Phoenix's own server, or vLLM with the served draft (make vllm)",
+    )
     p.add_argument("--force", action="store_true", help="train: train again even if finished")
     p.add_argument(
         "--draft",
@@ -54,8 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="bench: which drafts to measure (default: bench.drafts from config)",
     )
     p.add_argument("--load", action="store_true", help="bench: drive a running server over HTTP")
-    p.add_argument("--url", help="bench --load: server base URL (default from server config)")
-    p.add_argument("--clients", type=int, default=4, help="bench --load: concurrent clients")
+    p.add_argument(
+        "--url",
+        help="bench: measure the held-out prompts on any OpenAI-compatible server at URL "
+        "(with --load: the server to load; default from server config)",
+    )
+    p.add_argument(
+        "--clients", type=int, help="bench: concurrent clients (--load: 4; --url: 1, the protocol)"
+    )
     p.add_argument("--requests", type=int, default=40, help="bench --load: total requests")
     p.add_argument(
         "--resume", metavar="RUN_ID", help="retrain: resume this run (default: latest unfinished)"
@@ -85,6 +97,15 @@ def run_stage(stage: str, cfg: Config, ws: Workspace, args: argparse.Namespace, 
 
         retrain.run(cfg, ws.root, telemetry, resume=args.resume)
         return
+    if stage == "serve" and args.engine == "vllm":
+        from . import vllm
+
+        code = vllm.serve(cfg, ws, args.host, args.port, args.mode)
+        if code:
+            failed = errors.PhoenixError(f"vLLM exited with {code}")
+            failed.exit_code = code if 0 < code < 256 else errors.EXIT_FAILURE  # kept
+            raise failed
+        return
     if stage == "serve":
         from . import server
 
@@ -113,7 +134,16 @@ def run_stage(stage: str, cfg: Config, ws: Workspace, args: argparse.Namespace, 
         elif stage == "bench" and args.load:
             from . import loadtest
 
-            figures.update(loadtest.run(cfg, ws, args.url, args.clients, args.requests))
+            figures.update(loadtest.run(cfg, ws, args.url, args.clients or 4, args.requests))
+        elif stage == "bench" and args.url:
+            from . import loadtest
+
+            summary = loadtest.run_remote(cfg, ws, args.url, args.clients or 1)
+            figures.update({k: v for k, v in summary.items() if not isinstance(v, (list, dict))})
+        elif stage == "tune-vllm":
+            from . import vllm
+
+            figures.update(vllm.tune(cfg, ws))
         elif stage == "bench":
             from . import bench
 

@@ -69,6 +69,11 @@ class TeacherConfig(Section):
         False, description="Sent as chat_template_kwargs.enable_thinking; null: not sent."
     )
     concurrency: int = Field(1, ge=1)
+    return_token_ids: bool = Field(
+        False,
+        description="Ask a remote teacher for the answers' token ids (vLLM's return_token_ids), "
+        "so the draft trains on the teacher's exact tokens; the local teacher always sends them.",
+    )
     ready_timeout_s: float = Field(600.0, gt=0)
     request_timeout_s: float = Field(300.0, gt=0)
     max_retries: int = Field(5, ge=0, description="Retries per request.")
@@ -349,6 +354,53 @@ class TrafficConfig(Section):
     pause_s: float = Field(60.0, gt=0, description="After a failed write (disk full): pause.")
 
 
+class VllmConfig(Section):
+    python: str | None = Field(
+        None,
+        description="An interpreter with vLLM installed; null: .venv-vllm/bin/python (make vllm).",
+    )
+    dtype: str = Field("auto", description="vLLM's --dtype; auto: models.dtype as Phoenix runs it.")
+    max_model_len: int = Field(1024, ge=64, description="vLLM's --max-model-len.")
+    threads: int | None = Field(
+        None, ge=1, description="OMP_NUM_THREADS for vLLM on a CPU; null: every core."
+    )
+    kv_cache_gib: int = Field(2, ge=1, description="VLLM_CPU_KVCACHE_SPACE (CPU), GiB.")
+    startup_timeout_s: float = Field(900.0, gt=0, description="Wait this long for /health.")
+    extra_args: list[str] = Field(default_factory=list, description="More vLLM arguments.")
+    k: int = Field(
+        2,
+        ge=1,
+        description="serve --engine vllm without a learned schedule: draft tokens per step.",
+    )
+    tune_ks: list[int] = Field(
+        default_factory=lambda: [0, 1, 2, 4],
+        description="tune-vllm: the ks measured (0: no speculation); the largest is also the "
+        "ngram arm's.",
+    )
+    tune_ngram: bool = Field(True, description="tune-vllm: also measure vLLM's prompt lookup.")
+    tune_concurrency: list[int] = Field(
+        default_factory=lambda: [1, 2, 4, 8, 16], description="tune-vllm: concurrent clients."
+    )
+    tune_prompts: int = Field(
+        16, ge=1, description="tune-vllm: requests per point (at least 2 per client)."
+    )
+    tune_max_tokens: int = Field(48, ge=1, description="tune-vllm: max_tokens per request.")
+
+    @field_validator("tune_ks")
+    @classmethod
+    def _ks(cls, ks: list[int]) -> list[int]:
+        if not ks or any(k < 0 for k in ks) or 0 not in ks or len(set(ks)) != len(ks):
+            raise ValueError("distinct ks >= 0, 0 (no speculation) among them")
+        return sorted(ks)
+
+    @field_validator("tune_concurrency")
+    @classmethod
+    def _levels(cls, cs: list[int]) -> list[int]:
+        if not cs or any(c < 1 for c in cs) or len(set(cs)) != len(cs):
+            raise ValueError("distinct client counts >= 1")
+        return sorted(cs)
+
+
 class Config(Section):
     models: ModelsConfig = Field(default_factory=ModelsConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -364,6 +416,7 @@ class Config(Section):
     observability: ObservabilityConfig = Field(default_factory=ObservabilityConfig)
     retrain: RetrainConfig = Field(default_factory=RetrainConfig)
     traffic: TrafficConfig = Field(default_factory=TrafficConfig)
+    vllm: VllmConfig = Field(default_factory=VllmConfig)
 
     def template_kwargs(self) -> dict[str, Any]:
         """Chat-template switches for every prompt Phoenix renders (Qwen3's enable_thinking)."""

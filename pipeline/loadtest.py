@@ -1,10 +1,14 @@
-"""Load test: N concurrent clients against a running OpenAI-compatible Phoenix server.
+"""Measuring any OpenAI-compatible server from the client's side: Phoenix's, vLLM, or another.
 
+    python -m pipeline bench --url URL [--clients 1]        the held-out prompts, one client
     python -m pipeline bench --load --clients 4 --requests 40 [--url http://127.0.0.1:8000]
 
-The held-out prompts (<artifacts>/data/test.jsonl) as chat requests of `bench.max_new_tokens`,
-opted out of traffic capture (held-out prompts must never become training data). Writes
-<artifacts>/bench/load.json: throughput, p50/p95 latency, errors and 429s.
+Both send the held-out prompts (<artifacts>/data/test.jsonl) as streamed chat requests of
+`bench.max_new_tokens` tokens, temperature 0, opted out of Phoenix's traffic capture (held-out
+prompts must never become training data). Tokens/s, latency and time to first token come from
+the client; acceptance comes from the server's own Prometheus counters, read before and after
+(vLLM's `vllm:spec_decode_*`, Phoenix's `phoenix:spec_decode_*`: the same names and meaning).
+`bench --url` writes <artifacts>/bench/remote.json, `--load` <artifacts>/bench/load.json.
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import requests
 from tqdm import tqdm
 
 from . import report
@@ -25,75 +31,226 @@ from .workspace import Workspace, atomic_write_json, read_jsonl
 
 log = logging.getLogger(__name__)
 
+SPEC_PREFIXES = ("vllm", "phoenix")
+
+
+class Endpoint:
+    """One OpenAI-compatible server: its model, streamed chat requests, its metrics."""
+
+    def __init__(self, base: str, api_key: str | None = None, timeout_s: float = 900.0):
+        self.base = base.rstrip("/").removesuffix("/v1")
+        self.timeout_s = timeout_s
+        self.session = requests.Session()
+        adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=64)
+        self.session.mount("http://", adapter)
+        if api_key:
+            self.session.headers["Authorization"] = f"Bearer {api_key}"
+
+    def __repr__(self) -> str:  # never shows the key
+        return f"Endpoint({self.base})"
+
+    def model(self) -> str:
+        """The first model the server lists; InputError naming the URL when none answers."""
+        try:
+            r = self.session.get(self.base + "/v1/models", timeout=10)
+            r.raise_for_status()
+            return r.json()["data"][0]["id"]
+        except (requests.RequestException, ValueError, KeyError, IndexError) as exc:
+            raise InputError(
+                f"no OpenAI-compatible server answering at {self.base} ({type(exc).__name__}); "
+                "start one (make serve) or pass --url"
+            ) from None
+
+    def chat(self, model: str, prompt: str, max_tokens: int, extra: dict | None = None) -> dict:
+        """One streamed greedy chat completion: status, latency, time to first token, tokens."""
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **(extra or {}),
+        }
+        t0 = time.perf_counter()
+        out: dict[str, Any] = {"status": None, "ttft_s": None, "tokens": 0}
+        try:
+            with self.session.post(
+                self.base + "/v1/chat/completions", json=body, stream=True, timeout=self.timeout_s
+            ) as r:
+                out["status"] = r.status_code
+                if r.status_code != 200:
+                    out["error"] = r.text[:300]
+                for line in r.iter_lines() if r.status_code == 200 else ():
+                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        out["tokens"] = chunk["usage"]["completion_tokens"]
+                    delta = (chunk.get("choices") or [{}])[0].get("delta") or {}
+                    if delta.get("content") and out["ttft_s"] is None:
+                        out["ttft_s"] = time.perf_counter() - t0
+        except (requests.RequestException, ValueError) as exc:
+            out["error"] = type(exc).__name__
+        out["latency_s"] = time.perf_counter() - t0
+        return out
+
+    def spec_counters(self) -> dict[str, Any] | None:
+        """The server's speculative-decoding counters now (None: it exposes none)."""
+        try:
+            text = self.session.get(self.base + "/metrics", timeout=10).text
+        except requests.RequestException:
+            return None
+        return spec_counters(text)
+
+
+def spec_counters(exposition: str) -> dict[str, Any] | None:
+    """Drafts, draft tokens, accepted tokens and accepted per position from a Prometheus
+    exposition, summed over label sets (vLLM labels by model and engine); None without any."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, Any] = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": {}}
+    found = False
+    for family in text_string_to_metric_families(exposition):
+        prefix, _, name = family.name.partition(":")
+        if prefix not in SPEC_PREFIXES or not name.startswith("spec_decode_"):
+            continue
+        for s in family.samples:
+            if not s.name.endswith("_total"):
+                continue
+            found = True
+            key = name.removeprefix("spec_decode_")
+            if key == "num_accepted_tokens_per_pos":
+                pos = int(s.labels["position"])
+                out["per_pos"][pos] = out["per_pos"].get(pos, 0.0) + s.value
+            elif key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+                field = {"num_drafts": "drafts", "num_draft_tokens": "draft_tokens"}.get(
+                    key, "accepted"
+                )
+                out[field] += s.value
+    return out if found else None
+
+
+def acceptance_between(before: dict | None, after: dict | None) -> dict[str, Any]:
+    """What the counters say of the requests between two readings: acceptance (accepted /
+    draft tokens), per position (accepted at i / drafts), mean acceptance length (1 +
+    accepted / drafts: tokens per target pass), as vLLM's own metrics define them."""
+    if after is None:
+        return {"acceptance": None, "per_position": [], "mean_acceptance_length": None}
+    before = before or {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": {}}
+    drafts = after["drafts"] - before["drafts"]
+    tokens = after["draft_tokens"] - before["draft_tokens"]
+    accepted = after["accepted"] - before["accepted"]
+    positions = sorted(after["per_pos"])
+    per_pos = [after["per_pos"][p] - before["per_pos"].get(p, 0.0) for p in positions]
+    return {
+        "drafts": drafts,
+        "draft_tokens": tokens,
+        "accepted": accepted,
+        "acceptance": accepted / tokens if tokens else None,
+        "per_position": [a / drafts for a in per_pos] if drafts else [],
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+    }
+
+
+def sweep_point(
+    ep: Endpoint, model: str, prompts: list[str], clients: int, max_tokens: int,
+    extra: dict | None = None, progress: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Every prompt once, `clients` at a time (in order: client i takes the next prompt when
+    it is free): aggregate output tokens/s over the wall clock, latency and TTFT percentiles,
+    and the acceptance the server's counters moved by."""
+    before = ep.spec_counters()
+    todo = iter(enumerate(prompts))
+    lock = threading.Lock()
+    results: list[dict] = []
+    bar = tqdm(total=len(prompts), desc=progress, unit="req", disable=progress is None)
+
+    def client() -> None:
+        while True:
+            with lock:
+                item = next(todo, None)
+            if item is None:
+                return
+            res = ep.chat(model, item[1], max_tokens, extra)
+            with lock:
+                results.append(res)
+                bar.update(1)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        for f in [pool.submit(client) for _ in range(clients)]:
+            f.result()
+    wall = time.perf_counter() - t0
+    bar.close()
+    ok = [r for r in results if r["status"] == 200]
+    lat = [r["latency_s"] for r in ok]
+    ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    return {
+        "clients": clients,
+        "requests": len(prompts),
+        "succeeded": len(ok),
+        "rate_limited_429": sum(r["status"] == 429 for r in results),
+        "errors": sum(r["status"] not in (200, 429) for r in results),
+        "error_examples": [r.get("error") for r in results if r["status"] != 200][:3],
+        "wall_s": wall,
+        "output_tokens": sum(r["tokens"] for r in ok),
+        "tokens_per_second": sum(r["tokens"] for r in ok) / wall if wall > 0 else 0.0,
+        "p50_latency_s": report.percentile(lat, 50) if lat else None,
+        "p95_latency_s": report.percentile(lat, 95) if lat else None,
+        "p50_ttft_s": report.percentile(ttft, 50) if ttft else None,
+        **acceptance_between(before, ep.spec_counters()),
+    }
+
+
+def _endpoint(cfg: Config, url: str | None) -> Endpoint:
+    base = url or f"http://{cfg.server.host}:{cfg.server.port}"
+    return Endpoint(base, os.environ.get(cfg.server.api_key_env))
+
+
+def _prompts(ws: Workspace, n: int | None = None) -> list[str]:
+    if not ws.test_file.exists():
+        raise InputError(f"{ws.test_file} is missing: run the split stage first (make split)")
+    return [r["prompt"] for r in read_jsonl(ws.test_file)][:n]
+
+
+NO_CAPTURE = {"phoenix": {"capture": False}}  # other servers ignore the field
+
 
 def run(
     cfg: Config, ws: Workspace, url: str | None, clients: int, requests_total: int
 ) -> dict[str, Any]:
-    import requests
-
-    base = (url or f"http://{cfg.server.host}:{cfg.server.port}").rstrip("/")
-    if not ws.test_file.exists():
-        raise InputError(f"{ws.test_file} is missing: run the split stage first (make split)")
-    prompts = [r["prompt"] for r in read_jsonl(ws.test_file)]
-    headers = {}
-    key = os.environ.get(cfg.server.api_key_env)
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
-    try:
-        listed = requests.get(base + "/v1/models", headers=headers, timeout=10).json()["data"]
-    except Exception as exc:
-        raise InputError(
-            f"no Phoenix server answering at {base} ({type(exc).__name__}); start one with make serve"
-        ) from None
-    model = listed[0]["id"]
-
-    def one(i: int) -> dict:
-        body = {
-            "model": model,
-            "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
-            "max_tokens": cfg.bench.max_new_tokens,
-            "phoenix": {"capture": False},  # held-out prompts: never training data
-        }
-        t0 = time.perf_counter()
-        try:
-            r = requests.post(
-                base + "/v1/chat/completions", json=body, headers=headers, timeout=600
-            )
-            out = {"status": r.status_code, "latency_s": time.perf_counter() - t0}
-            if r.status_code == 200:
-                out["tokens"] = r.json()["usage"]["completion_tokens"]
-            return out
-        except requests.RequestException as exc:
-            return {
-                "status": None,
-                "error": type(exc).__name__,
-                "latency_s": time.perf_counter() - t0,
-            }
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        results = list(
-            tqdm(
-                pool.map(one, range(requests_total)), total=requests_total, desc="load", unit="req"
-            )
-        )
-    wall = time.perf_counter() - t0
-    ok = [r for r in results if r["status"] == 200]
-    lat = [r["latency_s"] for r in ok]
-    summary = {
-        "url": base,
-        "model": model,
-        "clients": clients,
-        "requests": requests_total,
-        "succeeded": len(ok),
-        "rate_limited_429": sum(r["status"] == 429 for r in results),
-        "errors": sum(r["status"] not in (200, 429) for r in results),
-        "wall_s": wall,
-        "requests_per_second": len(ok) / wall if wall > 0 else 0.0,
-        "tokens_per_second": sum(r.get("tokens", 0) for r in ok) / wall if wall > 0 else 0.0,
-        "p50_latency_s": report.percentile(lat, 50) if lat else None,
-        "p95_latency_s": report.percentile(lat, 95) if lat else None,
-    }
+    """bench --load: `requests_total` requests (the held-out prompts, cycled) over `clients`."""
+    ep = _endpoint(cfg, url)
+    model = ep.model()
+    prompts = _prompts(ws)
+    prompts = [prompts[i % len(prompts)] for i in range(requests_total)]
+    point = sweep_point(ep, model, prompts, clients, cfg.bench.max_new_tokens, NO_CAPTURE, "load")
+    summary = {"url": ep.base, "model": model, **point}
+    summary["requests_per_second"] = point["succeeded"] / point["wall_s"] if point["wall_s"] else 0
     atomic_write_json(ws.bench / "load.json", summary)
     log.info("load: %s", json.dumps(summary))
+    return summary
+
+
+def run_remote(cfg: Config, ws: Workspace, url: str, clients: int = 1) -> dict[str, Any]:
+    """bench --url: the bench's held-out prompts and length against any OpenAI-compatible
+    server, `clients` at a time (1: the bench's protocol)."""
+    ep = _endpoint(cfg, url)
+    model = ep.model()
+    prompts = _prompts(ws, cfg.bench.prompts)
+    point = sweep_point(
+        ep, model, prompts, clients, cfg.bench.max_new_tokens, NO_CAPTURE, f"bench {ep.base}"
+    )
+    summary = {"url": ep.base, "model": model, "max_new_tokens": cfg.bench.max_new_tokens, **point}
+    atomic_write_json(ws.bench / "remote.json", summary)
+    acc = summary["acceptance"]
+    log.info(
+        "bench --url %s: %d prompts, %.2f tokens/s, acceptance %s (per position %s)",
+        ep.base,
+        len(prompts),
+        summary["tokens_per_second"],
+        "n/a (no speculative counters)" if acc is None else f"{acc:.3f}",
+        [round(x, 3) for x in summary["per_position"]],
+    )
     return summary

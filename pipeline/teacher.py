@@ -246,7 +246,8 @@ class TeacherClient:
             if not isinstance(content, str):
                 raise TypeError("content is not a string")
             usage = data.get("usage") or {}
-            ids = (data.get("phoenix") or {}).get("token_ids")
+            # The answer's exact token ids: Phoenix's `phoenix.token_ids`, vLLM's `token_ids`.
+            ids = (data.get("phoenix") or {}).get("token_ids") or choice.get("token_ids")
             content_lp = (choice.get("logprobs") or {}).get("content")
             logprobs = None
             if content_lp:
@@ -484,6 +485,8 @@ def _answer_all(
         extra.update(logprobs=True, top_logprobs=n_logprobs)
     if t.url == "local":  # Phoenix's own server: the answer's exact token ids too
         extra["phoenix"] = {"token_ids": True}
+    elif t.return_token_ids:  # vLLM's field for them (other servers may refuse it)
+        extra["return_token_ids"] = True
     ws.teacher.mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
     t0 = time.perf_counter()

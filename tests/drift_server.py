@@ -33,7 +33,7 @@ def main() -> None:
     t, _ = models.resolve_pair(TINY_TARGET, "cut:1", cache)
     tok = models.load_tokenizer(t)
     target, draft = (models.load_model(t, "float32", "cpu") for _ in range(2))
-    Valve(target, delay_s=0.01)
+    Valve(target, delay_s=0.02)
     slow = Valve(draft)
     engine = SpeculativeEngine(target, draft, [tok.eos_token_id])
     # No exploration: after warm-up the bandit exploits draft:4, so only the guard can stop it.
@@ -70,7 +70,7 @@ def main() -> None:
 
         for _ in range(5):
             ask("fast")
-        slow.delay_s = 0.025
+        slow.delay_s = 0.05
         for _ in range(8):
             if ask("slow")["guard_event"] == "fallback":
                 break

@@ -20,11 +20,22 @@ PROMOTE = ["--set", "retrain.min_gain=-1"]
 
 
 @pytest.fixture(scope="module")
-def rt():
+def rt(tmp_path_factory):
     """Retrain's settings for this module: the tiny Qwen3 pair (configs/ci-qwen3.yaml: q/k
-    norms, tied embeddings, the enable_thinking switch, a separate draft, LoRA) with the local
-    teacher: the code paths a Qwen3 user hits, end to end."""
-    return ["--config", "configs/ci-qwen3.yaml"]
+    norms, tied embeddings, the enable_thinking switch, a separate draft, LoRA) and a remote
+    teacher (Phoenix's server for the tiny Qwen3 target, here in a thread, as vLLM would serve
+    the real one): the code paths a Qwen3 user hits, end to end. (The local teacher, a child
+    process, is conftest.distilled_ws's; retrain with it: the killed-run test below.)"""
+    from pipeline.config import load_config
+    from pipeline.server import build_app
+    from pipeline.workspace import Workspace
+    from tests.conftest import wait_http
+    from tests.servers import ServerThread
+
+    ws = Workspace(tmp_path_factory.mktemp("qwen3-teacher"))
+    with ServerThread(build_app(load_config("configs/ci-qwen3.yaml"), ws, mode="target")) as s:
+        wait_http(s.url + "/health", timeout=60)
+        yield ["--config", "configs/ci-qwen3.yaml", "--set", f"teacher.url={s.url}/v1"]
 
 
 def runs_of(root):

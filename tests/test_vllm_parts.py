@@ -1,0 +1,125 @@
+"""vLLM as a part, without vLLM: the schedule Phoenix learns, the counters it reads, and what a
+user sees when vLLM is missing or will not start (a stand-in program that fails on purpose).
+The tests against real vLLM servers are tests/test_vllm.py (`make test-vllm`)."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from pipeline import loadtest, vllm
+from pipeline.metrics import Metrics
+
+VLLM_EXPOSITION = textwrap.dedent(
+    """\
+    # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+    # TYPE vllm:spec_decode_num_drafts_total counter
+    vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
+    vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 10.0
+    # TYPE vllm:spec_decode_num_draft_tokens_total counter
+    vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 80.0
+    # TYPE vllm:spec_decode_num_accepted_tokens_total counter
+    vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 30.0
+    # TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+    vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 15.0
+    vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 9.0
+    # TYPE vllm:num_requests_running gauge
+    vllm:num_requests_running{engine="0",model_name="m"} 0.0
+    """
+)
+
+
+def test_the_schedule_takes_the_best_k_per_batch_size_range():
+    table = {
+        0: {1: 17.1, 2: 30.0, 4: 52.0, 8: 94.7, 16: 120.0},
+        2: {1: 20.6, 2: 33.0, 4: 50.0, 8: 58.7, 16: 60.0},
+        4: {1: 15.6, 2: 34.0, 4: 45.0, 8: 44.5, 16: 50.0},
+    }
+    schedule = vllm.best_schedule(table)
+    assert schedule == [[1, 1, 2], [2, 3, 4], [4, 1024, 0]]
+    assert [vllm.k_for(schedule, b) for b in (1, 2, 3, 4, 9, 5000)] == [2, 4, 4, 0, 0, 0]
+    assert vllm.best_schedule({0: {1: 5.0}, 2: {1: 5.0}}) == [[1, 1024, 0]]  # a tie: the smaller
+    spec = vllm.speculative_config("draft_model", "d", 4, schedule)
+    assert spec["num_speculative_tokens"] == 4 and spec["num_speculative_tokens_per_batch_size"]
+    assert vllm.speculative_config("draft_model", "d", 0) is None
+    assert vllm.speculative_config("ngram", None, 4)["method"] == "ngram"
+
+
+def test_spec_counters_read_vllm_and_phoenix_names_alike():
+    got = loadtest.spec_counters(VLLM_EXPOSITION)
+    assert got == {"drafts": 20.0, "draft_tokens": 80.0, "accepted": 30.0,
+                   "per_pos": {0: 15.0, 1: 9.0}}  # fmt: skip
+    acc = loadtest.acceptance_between(None, got)
+    assert acc["acceptance"] == 30 / 80 and acc["mean_acceptance_length"] == 1 + 30 / 20
+    assert acc["per_position"] == [15 / 20, 9 / 20]
+    m = Metrics(queue_depth=lambda: 0, running=lambda: 0)
+    m.num_drafts.inc(4)
+    m.num_draft_tokens.inc(8)
+    m.num_accepted_tokens.inc(5)
+    m.accepted_per_pos.labels(position="0").inc(3)
+    mine = loadtest.spec_counters(m.exposition().decode())
+    assert mine == {"drafts": 4.0, "draft_tokens": 8.0, "accepted": 5.0, "per_pos": {0: 3.0}}
+    assert loadtest.acceptance_between(got, got)["acceptance"] is None  # nothing moved
+    assert loadtest.spec_counters("# nothing\n") is None
+
+
+def test_without_vllm_tune_and_serve_exit_2_saying_make_vllm(cli, tmp_path):
+    for stage in (("tune-vllm",), ("serve", "--engine", "vllm")):
+        r = cli(*stage, "--config", "configs/ci.yaml", "--artifacts", tmp_path,
+                "--set", f"vllm.python={sys.executable}")  # fmt: skip
+        assert r.returncode == 2, r.log
+        assert "make vllm" in r.log and "has no vllm module" in r.log
+    r = cli("tune-vllm", "--config", "configs/ci.yaml", "--artifacts", tmp_path,
+            "--set", f"vllm.python={tmp_path / 'nowhere' / 'python'}")  # fmt: skip
+    assert r.returncode == 2 and "make vllm" in r.log
+
+
+def test_a_vllm_that_fails_to_start_is_quoted_and_leaves_no_process(cli, tmp_path, mbpp_path):
+    """A stand-in `vllm` whose server starts a child, prints, and dies: exit 1 with its last
+    lines, and nothing of its process group left."""
+    fake = tmp_path / "fake"
+    server = fake / "vllm" / "entrypoints" / "openai"
+    server.mkdir(parents=True)
+    for d in (fake / "vllm", fake / "vllm" / "entrypoints", server):
+        (d / "__init__.py").write_text("")
+    (server / "api_server.py").write_text(
+        textwrap.dedent(
+            """\
+            import subprocess, sys, time
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+            print("INFO loading the model", flush=True)
+            print(f"engine core pid {child.pid}", flush=True)
+            time.sleep(1)
+            print("ValueError: this draft has another tokenizer than the target", flush=True)
+            sys.exit(3)
+            """
+        )
+    )
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={fake} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    art = tmp_path / "art"
+    assert cli("split", "--config", "configs/ci.yaml", "--artifacts", art).returncode == 0
+    r = cli("serve", "--engine", "vllm", "--config", "configs/ci.yaml", "--artifacts", art,
+            "--set", f"vllm.python={python}", "--port", "0", "--mode", "target")  # fmt: skip
+    assert r.returncode == 1, r.log
+    assert "vLLM exited with 3 before it was ready" in r.log
+    assert "another tokenizer than the target" in r.log  # vLLM's own words, quoted
+    pid = int(r.log.split("engine core pid ")[1].split()[0])
+    assert not running(pid), "vLLM's child process outlived it"
+
+
+def running(pid: int, wait_s: float = 5.0) -> bool:
+    """Whether `pid` still runs (a zombie waiting for its reaper does not)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        if state in ("Z", "X"):
+            return False
+        time.sleep(0.05)
+    return True
