@@ -2,8 +2,8 @@
 
     python -m pipeline <stage> --config FILE [--artifacts DIR] [--set key.path=value ...]
 
-Stages: split, distill, train, merge, bench, retrain, serve, demo. Exit codes are in errors.py
-and the README. Every stage but serve holds <artifacts>/phoenix.lock while it runs.
+Stages: split, distill, train, merge, bench, retrain, serve, demo, tune-vllm (vllm.py). Exit
+codes are in errors.py and the README. Every stage but serve holds <artifacts>/phoenix.lock.
 """
 
 from __future__ import annotations

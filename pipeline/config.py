@@ -365,6 +365,12 @@ class VllmConfig(Section):
         None, ge=1, description="OMP_NUM_THREADS for vLLM on a CPU; null: every core."
     )
     kv_cache_gib: int = Field(2, ge=1, description="VLLM_CPU_KVCACHE_SPACE (CPU), GiB.")
+    reserved_cpus: int | None = Field(
+        None,
+        ge=0,
+        description="VLLM_CPU_NUM_OF_RESERVED_CPU: cores vLLM keeps from its engine for its "
+        "front end (null: vLLM's default, one per engine).",
+    )
     startup_timeout_s: float = Field(900.0, gt=0, description="Wait this long for /health.")
     extra_args: list[str] = Field(default_factory=list, description="More vLLM arguments.")
     k: int = Field(
@@ -374,10 +380,12 @@ class VllmConfig(Section):
     )
     tune_ks: list[int] = Field(
         default_factory=lambda: [0, 1, 2, 4],
-        description="tune-vllm: the ks measured (0: no speculation); the largest is also the "
-        "ngram arm's.",
+        description="tune-vllm: the draft model's ks measured (0: no speculation, always).",
     )
-    tune_ngram: bool = Field(True, description="tune-vllm: also measure vLLM's prompt lookup.")
+    tune_ngram_ks: list[int] = Field(
+        default_factory=lambda: [2, 4],
+        description="tune-vllm: vLLM's prompt lookup (ngram) at these ks ([]: not measured).",
+    )
     tune_concurrency: list[int] = Field(
         default_factory=lambda: [1, 2, 4, 8, 16], description="tune-vllm: concurrent clients."
     )
@@ -391,6 +399,13 @@ class VllmConfig(Section):
     def _ks(cls, ks: list[int]) -> list[int]:
         if not ks or any(k < 0 for k in ks) or 0 not in ks or len(set(ks)) != len(ks):
             raise ValueError("distinct ks >= 0, 0 (no speculation) among them")
+        return sorted(ks)
+
+    @field_validator("tune_ngram_ks")
+    @classmethod
+    def _ngram_ks(cls, ks: list[int]) -> list[int]:
+        if any(k < 1 for k in ks) or len(set(ks)) != len(ks):
+            raise ValueError("distinct ks >= 1")
         return sorted(ks)
 
     @field_validator("tune_concurrency")

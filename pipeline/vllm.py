@@ -151,6 +151,8 @@ def environment(cfg: Config, python: str) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(cfg.vllm.threads or os.cpu_count() or 1))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.vllm.kv_cache_gib))
+    if cfg.vllm.reserved_cpus is not None:
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(cfg.vllm.reserved_cpus))
     prefix = Path(python).resolve().parent.parent
     iomp = sorted(prefix.glob("lib/libiomp5.so")) or sorted(prefix.glob("lib/**/libiomp5.so"))
     if iomp and "libiomp5" not in env.get("LD_PRELOAD", ""):
@@ -283,6 +285,23 @@ def load_schedule(ws: Workspace, draft: str) -> dict | None:
 
 
 # --- tune-vllm --------------------------------------------------------------------------------
+METHODS = {"draft": "draft_model", "ngram": "ngram"}  # arm strategy -> vLLM's method
+
+
+def choose_method(table: dict[str, dict[int, dict[int, float]]]) -> tuple[str, list[list[int]]]:
+    """`table[strategy][k][c]` (k = 0 in every strategy's table: no speculation) -> the
+    strategy whose schedule the sweep predicts best (the mean over concurrencies of its best
+    k's tokens/s over no speculation's), with that schedule."""
+    best = None
+    for strategy, by_k in table.items():
+        schedule = best_schedule(by_k)
+        levels = sorted(by_k[0])
+        gain = sum(by_k[k_for(schedule, c)][c] / by_k[0][c] for c in levels) / len(levels)
+        if best is None or gain > best[0]:
+            best = (gain, strategy, schedule)
+    return best[1], best[2]
+
+
 def tune(cfg: Config, ws: Workspace) -> dict[str, Any]:
     from . import drafts
 
@@ -294,11 +313,9 @@ def tune(cfg: Config, ws: Workspace) -> dict[str, Any]:
         raise ConfigError(f"{ws.test_file} is missing: run the split stage first (make split)")
     prompts = [r["prompt"] for r in read_jsonl(ws.test_file)]
     out_dir = ws.root / "vllm"
-    arms: list[tuple[str, str | None, int]] = [
-        ("0" if k == 0 else f"draft:{k}", "draft_model" if k else None, k) for k in v.tune_ks
-    ]
-    if v.tune_ngram:
-        arms.append((f"ngram:{max(v.tune_ks)}", "ngram", max(v.tune_ks)))
+    arms = [("0", None, 0)]
+    arms += [(f"draft:{k}", "draft", k) for k in v.tune_ks if k]
+    arms += [(f"ngram:{k}", "ngram", k) for k in v.tune_ngram_ks]
     results: dict[str, Any] = {"draft": served.describe(), "target": cfg.models.target,
                                "concurrency": v.tune_concurrency, "arms": {}}  # fmt: skip
 
@@ -307,7 +324,9 @@ def tune(cfg: Config, ws: Workspace) -> dict[str, Any]:
         with VllmServer(cfg, target, spec, log_path) as server:
             ep = loadtest.Endpoint(server.url)
             model = ep.model()
-            ep.chat(model, prompts[0], 8)  # warm-up, outside every figure
+            # Warm-up, outside every figure: vLLM compiles a batch size's step on first use.
+            for c in v.tune_concurrency:
+                loadtest.sweep_point(ep, model, prompts[:c], c, 8)
             points = {}
             for c in v.tune_concurrency:
                 n = max(v.tune_prompts, 2 * c)
@@ -319,21 +338,29 @@ def tune(cfg: Config, ws: Workspace) -> dict[str, Any]:
                          points[c]["tokens_per_second"])  # fmt: skip
         return {"spec": spec, "ready_s": server.ready_s, "points": points}
 
-    for label, method, k in arms:
+    for label, strategy, k in arms:
+        method = METHODS.get(strategy)
         results["arms"][label] = sweep(label, speculative_config(method, draft, k))
         atomic_write_json(out_dir / "tune.json", results)  # each arm kept as it finishes
-    table = {k: {c: results["arms"][label]["points"][c]["tokens_per_second"]
-                 for c in v.tune_concurrency}
-             for label, method, k in arms if method != "ngram"}  # fmt: skip
-    schedule = best_schedule(table)
-    spec = speculative_config("draft_model", draft, max(r[2] for r in schedule) or 1, schedule)
-    if all(r[2] == 0 for r in schedule):
-        spec = None  # speculation never paid: no speculation at all
-    results["schedule"] = schedule
+
+    def tps(label: str) -> dict[int, float]:
+        return {c: results["arms"][label]["points"][c]["tokens_per_second"]
+                for c in v.tune_concurrency}  # fmt: skip
+
+    table = {
+        strategy: {0: tps("0"), **{k: tps(label) for label, s, k in arms if s == strategy}}
+        for strategy in dict.fromkeys(s for _, s, _ in arms if s)
+    }
+    strategy, schedule = choose_method(table) if table else ("draft", [[1, 1024, 0]])
+    spec = None
+    if any(r[2] for r in schedule):
+        spec = speculative_config(METHODS[strategy], draft, max(r[2] for r in schedule), schedule)
+    results["schedule"] = {"strategy": strategy, "ranges": schedule}
     results["arms"]["schedule"] = sweep("schedule", spec)
     atomic_write_json(out_dir / "tune.json", results)
     learned = {
         "schedule": schedule,
+        "strategy": strategy,
         "speculative_config": spec,
         "draft": draft,
         "draft_weights": weights_id(draft),
@@ -346,7 +373,7 @@ def tune(cfg: Config, ws: Workspace) -> dict[str, Any]:
     atomic_write_text(out_dir / "report.md", text)
     tune_plot(results, out_dir / "tokens_per_second.png")
     log.info("tune-vllm: report at %s\n%s", out_dir / "report.md", text)
-    return {"schedule": json.dumps(schedule)}
+    return {"schedule": json.dumps(schedule), "strategy": strategy}
 
 
 def tune_report(results: dict, learned: dict) -> str:
@@ -375,7 +402,9 @@ def tune_report(results: dict, learned: dict) -> str:
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        f"Schedule (`num_speculative_tokens_per_batch_size`): `{learned['schedule']}`.",
+        f"Schedule: {learned['strategy']} (`num_speculative_tokens_per_batch_size`: "
+        f"`{learned['schedule']}`; k = 0 everywhere: no speculation). Each arm's figures come "
+        "after a warm-up at every concurrency.",
         "",
         "Serve with it:",
         "",

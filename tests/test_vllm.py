@@ -99,7 +99,7 @@ def test_vllm_serves_the_merged_draft_and_bench_url_reads_its_counters(vllm_ws, 
 
 
 def test_tune_vllm_learns_a_schedule_and_serve_engine_vllm_uses_it(vllm_ws, cfg, cli):
-    sets = [*TINY, *VLLM_SETS, "--set", "vllm.tune_ks=[0,2]", "--set", "vllm.tune_ngram=false",
+    sets = [*TINY, *VLLM_SETS, "--set", "vllm.tune_ks=[0,2]", "--set", "vllm.tune_ngram_ks=[]",
             "--set", "vllm.tune_concurrency=[1,2]", "--set", "vllm.tune_prompts=4",
             "--set", "vllm.tune_max_tokens=12"]  # fmt: skip
     r = cli("tune-vllm", *CI, "--artifacts", vllm_ws, *sets)
@@ -107,7 +107,7 @@ def test_tune_vllm_learns_a_schedule_and_serve_engine_vllm_uses_it(vllm_ws, cfg,
     learned = json.loads((vllm_ws / "vllm" / "schedule.json").read_text())
     assert learned["schedule"][0][0] == 1 and {k for *_, k in learned["schedule"]} <= {0, 2}
     tune = json.loads((vllm_ws / "vllm" / "tune.json").read_text())
-    assert set(tune["arms"]) == {"0", "draft:2", "schedule"}
+    assert set(tune["arms"]) == {"0", "draft:2", "schedule"} and tune["schedule"]["ranges"]
     assert (vllm_ws / "vllm" / "tokens_per_second.png").is_file()
     assert "num_speculative_tokens_per_batch_size" in (vllm_ws / "vllm" / "report.md").read_text()
 

@@ -41,6 +41,13 @@ def test_the_schedule_takes_the_best_k_per_batch_size_range():
     assert schedule == [[1, 1, 2], [2, 3, 4], [4, 1024, 0]]
     assert [vllm.k_for(schedule, b) for b in (1, 2, 3, 4, 9, 5000)] == [2, 4, 4, 0, 0, 0]
     assert vllm.best_schedule({0: {1: 5.0}, 2: {1: 5.0}}) == [[1, 1024, 0]]  # a tie: the smaller
+    ngram = {0: table[0], 4: {1: 18.0, 2: 31.0, 4: 50.0, 8: 60.0, 16: 80.0}}
+    assert vllm.choose_method({"draft": table, "ngram": ngram}) == ("draft", schedule)
+    slow = {k: {c: t / 2 for c, t in row.items()} for k, row in table.items() if k}
+    assert vllm.choose_method({"draft": {0: table[0], **slow}, "ngram": ngram}) == (
+        "ngram",
+        [[1, 3, 4], [4, 1024, 0]],
+    )
     spec = vllm.speculative_config("draft_model", "d", 4, schedule)
     assert spec["num_speculative_tokens"] == 4 and spec["num_speculative_tokens_per_batch_size"]
     assert vllm.speculative_config("draft_model", "d", 0) is None
