@@ -6,7 +6,8 @@
 
 1. teacher: the first --answers training prompts answered by vLLM and by Phoenix's local
    teacher (the same target, fp32, greedy, teacher.max_tokens): how many answers are identical
-   token for token, and where the first difference falls in the others.
+   token for token, where the first difference falls in the others, and how close the
+   target's call is there (its logit gap between the two tokens).
 2. fidelity: the served draft's acceptance at k=2 and k=4 on the first --prompts held-out
    prompts (bench.max_new_tokens): Phoenix's engine (full head, as vLLM runs the draft; and the
    configured pruned head) against vLLM's own counters over the same requests.
@@ -21,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+import torch
 
 from benchmarks.common import environment, header, server, table, write_results
 from pipeline import drafts, loadtest, models, vllm
@@ -62,11 +65,27 @@ def part_teacher(cfg, ws: Workspace, args) -> dict:
                   cache=ws.cache)  # fmt: skip
     for a in read_jsonl(answers):
         mine[a["task_id"]] = a["completion_token_ids"]
+    pair = models.load_pair(cfg, ws, None)
+    eos = set(models.eos_ids(pair.tokenizer, pair.target))
+    # vLLM's token_ids end with the end-of-turn token where Phoenix's do not: compare the answers.
+    theirs = [t[:-1] if t and t[-1] in eos else t for t in theirs]
     diffs = [first_difference(mine[r["task_id"]], t) for r, t in zip(rows, theirs, strict=True)]
+    # Where two answers part, how close the target's own call is: its logit for Phoenix's token
+    # minus its logit for vLLM's, one unpadded fp32 forward pass over the shared prefix.
+    gaps = []
+    for r, t, d in zip(rows, theirs, diffs, strict=True):
+        if d is None or d >= min(len(t), len(mine[r["task_id"]])):
+            continue
+        ours = mine[r["task_id"]]
+        ids = models.user_prompt_ids(pair.tokenizer, r["prompt"], cfg.template_kwargs()) + ours[:d]
+        with torch.no_grad():
+            logits = pair.target(torch.tensor([ids])).logits[0, -1].float()
+        gaps.append(round(float(logits[ours[d]] - logits[t[d]]), 4))
     return {
         "answers": len(rows),
         "identical": sum(d is None for d in diffs),
         "first_difference_at": [d for d in diffs if d is not None],
+        "logit_gap_at_difference": gaps,
     }
 
 
@@ -139,7 +158,9 @@ def markdown(p: dict) -> str:
         t = p["teacher"]
         lines += [
             f"Teacher: {t['identical']} of {t['answers']} answers identical token for token; "
-            f"the others part at tokens {t['first_difference_at']}.",
+            f"the others part at tokens {t['first_difference_at']}, where the target's logit "
+            f"for Phoenix's token minus its logit for vLLM's is {t['logit_gap_at_difference']} "
+            "(a near-tie: the two engines' fp32 arithmetic rounds it either way).",
             "",
         ]
     if "fidelity" in p:

@@ -390,7 +390,13 @@ class VllmConfig(Section):
         default_factory=lambda: [1, 2, 4, 8, 16], description="tune-vllm: concurrent clients."
     )
     tune_prompts: int = Field(
-        16, ge=1, description="tune-vllm: requests per point (at least 2 per client)."
+        32, ge=1, description="tune-vllm: requests per point (at least 2 per client)."
+    )
+    tune_margin: float = Field(
+        0.03,
+        ge=0,
+        description="tune-vllm: a k > 0 enters the schedule only where it beats no speculation "
+        "by more than this fraction (a smaller win is within a sweep's noise).",
     )
     tune_max_tokens: int = Field(48, ge=1, description="tune-vllm: max_tokens per request.")
 

@@ -63,8 +63,10 @@ def build_examples(
             c_ids, tops = _logprob_targets(a, tokenizer, id_map)
         if c_ids is None:
             c_ids = tokenizer(a["completion"], add_special_tokens=False)["input_ids"]
-        stop = [eos] if a.get("finish_reason") == "stop" else []
-        c_ids = list(c_ids) + stop
+        c_ids = list(c_ids)
+        # vLLM's token_ids end with the end-of-turn token, Phoenix's teacher's do not: one each.
+        stop = [eos] if a.get("finish_reason") == "stop" and c_ids[-1:] != [eos] else []
+        c_ids += stop
         ids = (p_ids + c_ids)[:max_length]
         mask = ([0] * len(p_ids) + [1] * len(c_ids))[:max_length]
         if sum(mask) == 0:

@@ -12,7 +12,8 @@ vllm.entrypoints.openai.api_server`, on the target's own directory, with the dra
 tune-vllm starts vLLM once per arm of `vllm.tune_ks` (0: no speculation; K: the served draft
 guessing K tokens) and prompt lookup (`ngram`), runs the held-out prompts at every concurrency
 of `vllm.tune_concurrency`, and picks for each batch-size range the k with the most aggregate
-output tokens/s (`best_schedule`: 0 where speculation loses). vLLM's
+output tokens/s (`best_schedule`: 0 where speculation loses or wins by less than
+`vllm.tune_margin`). vLLM's
 `num_speculative_tokens_per_batch_size` takes that schedule: a list of inclusive `(first batch
 size, last batch size, k)`. A last sweep runs vLLM with the schedule to check it. Results land
 in <artifacts>/vllm/: tune.json, schedule.json (what `serve --engine vllm` reads), report.md and
@@ -61,15 +62,23 @@ class VllmFailed(PhoenixError):
 
 
 # --- the schedule (pure) ---------------------------------------------------------------------
-def best_schedule(table: dict[int, dict[int, float]]) -> list[list[int]]:
+def best_schedule(table: dict[int, dict[int, float]], margin: float = 0.0) -> list[list[int]]:
     """`table[k][concurrency]` = aggregate tokens/s -> vLLM's
     `num_speculative_tokens_per_batch_size`: for each measured concurrency c_i the k with the
     most tokens/s (ties: the smaller k), applied from c_i to just below c_(i+1) (the first
-    range starts at 1, the last is open: vLLM carries it on), adjacent equal ks merged."""
+    range starts at 1, the last is open: vLLM carries it on), adjacent equal ks merged. A k > 0
+    must beat no speculation (k = 0) by more than `margin` (a fraction) to be chosen: a smaller
+    win is within a sweep's noise and buys nothing."""
     levels = sorted({c for row in table.values() for c in row})
     if not levels:
         raise ValueError("an empty sweep has no schedule")
-    choice = [max(sorted(table), key=lambda k, c=c: (table[k].get(c, -1.0), -k)) for c in levels]
+
+    def pick(c: int) -> int:
+        floor = table[0][c] * (1 + margin) if 0 in table and c in table[0] else -1.0
+        paying = [k for k in sorted(table) if k == 0 or table[k].get(c, -1.0) > floor]
+        return max(paying, key=lambda k: (table[k].get(c, -1.0), -k))
+
+    choice = [pick(c) for c in levels]
     ranges: list[list[int]] = []
     for i, (c, k) in enumerate(zip(levels, choice, strict=True)):
         start = 1 if i == 0 else c
@@ -108,18 +117,16 @@ def vllm_python(cfg: Config) -> str:
 def speculative_config(
     method: str | None, draft_dir: str | None, k: int, schedule: list[list[int]] | None = None
 ) -> dict | None:
-    """vLLM's --speculative-config: None (no speculation), the draft model at k (with a
-    batch-size schedule: k is its largest), or prompt lookup (n = 1..3, as Phoenix's)."""
+    """vLLM's --speculative-config: None (no speculation), the draft model or prompt lookup
+    (n = 1..3, as Phoenix's) at k; with a batch-size schedule, k is its largest."""
     if method is None or k == 0:
         return None
+    spec: dict[str, Any]
     if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3,
+        spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3,
                 "prompt_lookup_min": 1}  # fmt: skip
-    spec: dict[str, Any] = {
-        "method": "draft_model",
-        "model": draft_dir,
-        "num_speculative_tokens": k,
-    }
+    else:
+        spec = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": k}
     if schedule:
         spec["num_speculative_tokens"] = max(r[2] for r in schedule)
         spec["num_speculative_tokens_per_batch_size"] = schedule
@@ -288,13 +295,15 @@ def load_schedule(ws: Workspace, draft: str) -> dict | None:
 METHODS = {"draft": "draft_model", "ngram": "ngram"}  # arm strategy -> vLLM's method
 
 
-def choose_method(table: dict[str, dict[int, dict[int, float]]]) -> tuple[str, list[list[int]]]:
+def choose_method(
+    table: dict[str, dict[int, dict[int, float]]], margin: float = 0.0
+) -> tuple[str, list[list[int]]]:
     """`table[strategy][k][c]` (k = 0 in every strategy's table: no speculation) -> the
     strategy whose schedule the sweep predicts best (the mean over concurrencies of its best
     k's tokens/s over no speculation's), with that schedule."""
     best = None
     for strategy, by_k in table.items():
-        schedule = best_schedule(by_k)
+        schedule = best_schedule(by_k, margin)
         levels = sorted(by_k[0])
         gain = sum(by_k[k_for(schedule, c)][c] / by_k[0][c] for c in levels) / len(levels)
         if best is None or gain > best[0]:
@@ -351,12 +360,13 @@ def tune(cfg: Config, ws: Workspace) -> dict[str, Any]:
         strategy: {0: tps("0"), **{k: tps(label) for label, s, k in arms if s == strategy}}
         for strategy in dict.fromkeys(s for _, s, _ in arms if s)
     }
-    strategy, schedule = choose_method(table) if table else ("draft", [[1, 1024, 0]])
+    strategy, schedule = choose_method(table, v.tune_margin) if table else ("draft", [[1, 1024, 0]])
     spec = None
     if any(r[2] for r in schedule):
         spec = speculative_config(METHODS[strategy], draft, max(r[2] for r in schedule), schedule)
     results["schedule"] = {"strategy": strategy, "ranges": schedule}
     results["arms"]["schedule"] = sweep("schedule", spec)
+    results["verdict"] = schedule_verdict(results)
     atomic_write_json(out_dir / "tune.json", results)
     learned = {
         "schedule": schedule,
@@ -376,6 +386,25 @@ def tune(cfg: Config, ws: Workspace) -> dict[str, Any]:
     return {"schedule": json.dumps(schedule), "strategy": strategy}
 
 
+def schedule_verdict(results: dict) -> dict[str, float] | None:
+    """The schedule's sweep against the fixed arms': the smallest ratio, over concurrencies, to
+    the best fixed arm at that concurrency and to no speculation (None before its sweep)."""
+    arms = results["arms"]
+    if "schedule" not in arms or "0" not in arms:
+        return None
+    fixed = {label: arm["points"] for label, arm in arms.items() if label != "schedule"}
+    mine = arms["schedule"]["points"]
+
+    def tps(points: dict, c) -> float:
+        return points[c]["tokens_per_second"]
+
+    cs = list(mine)
+    return {
+        "vs_best_fixed": min(tps(mine, c) / max(tps(p, c) for p in fixed.values()) for c in cs),
+        "vs_no_speculation": min(tps(mine, c) / tps(fixed["0"], c) for c in cs),
+    }
+
+
 def tune_report(results: dict, learned: dict) -> str:
     from .bench import hardware
 
@@ -391,6 +420,7 @@ def tune_report(results: dict, learned: dict) -> str:
         "|" + "---|" * (len(cs) + 1),
     ]
     base = results["arms"].get("0", {}).get("points", {})
+    verdict = schedule_verdict(results)
     for label, arm in results["arms"].items():
         cells = []
         for c in cs:
@@ -406,6 +436,24 @@ def tune_report(results: dict, learned: dict) -> str:
         f"`{learned['schedule']}`; k = 0 everywhere: no speculation). Each arm's figures come "
         "after a warm-up at every concurrency.",
         "",
+    ]
+    if verdict:
+        lines += [
+            f"The schedule's own sweep: at every concurrency at least "
+            f"{verdict['vs_best_fixed']:.2f}x the best fixed arm there and "
+            f"{verdict['vs_no_speculation']:.2f}x no speculation.",
+            "",
+        ]
+        if verdict["vs_no_speculation"] < 1 and learned["strategy"] == "draft":
+            lines += [
+                "Below 1.00x no speculation: a vLLM started with a draft model runs it over "
+                "every new token to keep its cache, also where the schedule says k = 0, so a "
+                "schedule cannot give the large batches back all of their speed. If the load "
+                "is mostly in those ranges, serve without speculation (`serve --engine vllm "
+                "--mode target`).",
+                "",
+            ]
+    lines += [
         "Serve with it:",
         "",
         f"    {learned['command']}",

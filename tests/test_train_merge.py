@@ -46,6 +46,9 @@ def test_examples_mask_the_prompt_and_keep_teacher_tokens():
         {"prompt": "p2", "completion": "abc", "finish_reason": "length"},
     ]
     rows, sparse = build_examples(answers, tok, {}, 512)
+    # vLLM's token_ids carry the end-of-turn already: it is not learnt twice.
+    vllm_style = [{**answers[0], "completion_token_ids": [5, 6, 7, tok.eos_token_id]}]
+    assert build_examples(vllm_style, tok, {}, 512)[0][0]["input_ids"] == rows[0]["input_ids"]
     assert sparse == {}  # no stored logprobs asked for
     first, second = rows
     n = sum(first["completion_mask"])

@@ -52,6 +52,28 @@ def test_the_schedule_takes_the_best_k_per_batch_size_range():
     assert spec["num_speculative_tokens"] == 4 and spec["num_speculative_tokens_per_batch_size"]
     assert vllm.speculative_config("draft_model", "d", 0) is None
     assert vllm.speculative_config("ngram", None, 4)["method"] == "ngram"
+    lookup = vllm.speculative_config("ngram", None, 2, [[1, 1, 2], [2, 1024, 0]])
+    assert lookup["num_speculative_tokens_per_batch_size"] == [[1, 1, 2], [2, 1024, 0]]
+
+
+def test_a_win_within_the_margin_is_not_worth_speculating():
+    table = {0: {1: 36.2, 2: 66.6, 8: 158.5}, 1: {1: 35.9, 2: 68.5, 8: 172.0}}
+    assert vllm.best_schedule(table) == [[1, 1, 0], [2, 1024, 1]]
+    assert vllm.best_schedule(table, margin=0.03) == [[1, 7, 0], [8, 1024, 1]]  # 68.5: +2.9%
+    assert vllm.best_schedule(table, margin=0.10) == [[1, 1024, 0]]
+
+
+def test_the_verdict_compares_the_schedule_with_every_fixed_arm():
+    def arm(*tps):
+        return {"points": {c: {"tokens_per_second": t} for c, t in zip((1, 8), tps, strict=True)}}
+
+    results = {"arms": {"0": arm(36.0, 160.0), "ngram:2": arm(40.0, 130.0)}}
+    assert vllm.schedule_verdict(results) is None  # no schedule sweep yet
+    results["arms"]["schedule"] = arm(42.0, 152.0)
+    verdict = vllm.schedule_verdict(results)
+    assert verdict == {"vs_best_fixed": 152.0 / 160.0, "vs_no_speculation": 152.0 / 160.0}
+    results["arms"]["schedule"] = arm(38.0, 161.0)
+    assert vllm.schedule_verdict(results)["vs_best_fixed"] == 38.0 / 40.0
 
 
 def test_spec_counters_read_vllm_and_phoenix_names_alike():
