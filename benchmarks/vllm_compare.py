@@ -156,13 +156,15 @@ def markdown(p: dict) -> str:
     lines = ["# Phoenix next to vLLM", "", header(p["environment"]) + ".", ""]
     if "teacher" in p:
         t = p["teacher"]
-        lines += [
-            f"Teacher: {t['identical']} of {t['answers']} answers identical token for token; "
-            f"the others part at tokens {t['first_difference_at']}, where the target's logit "
-            f"for Phoenix's token minus its logit for vLLM's is {t['logit_gap_at_difference']} "
-            "(a near-tie: the two engines' fp32 arithmetic rounds it either way).",
-            "",
-        ]
+        text = f"Teacher: {t['identical']} of {t['answers']} answers identical token for token"
+        if t["first_difference_at"]:
+            text += (
+                f"; the others part at tokens {t['first_difference_at']}, where the target's "
+                f"logit for Phoenix's token minus its logit for vLLM's is "
+                f"{t['logit_gap_at_difference']} (near zero: a near-tie that fp32 arithmetic "
+                "in two engines may round either way; large: a real disagreement)"
+            )
+        lines += [text + " (the end-of-turn token aside: vLLM reports it, Phoenix does not).", ""]
     if "fidelity" in p:
         f = p["fidelity"]
         names = [n for n in next(iter(f["k"].values())) if n != "vllm_per_position"]
