@@ -14,6 +14,9 @@
 3. serving: aggregate tokens/s at 1 and 8 clients, the same held-out prompts: Phoenix's server
    in target mode and in its best speculative mode (bandit), beside vLLM without speculation
    and with its best fixed k, read from <artifacts>/vllm/tune.json (run tune-vllm first).
+4. zero (not in the default parts): vLLM without speculation beside prompt lookup whose schedule
+   gives k = 0 from batch size 2 up, over vllm.tune_concurrency: what k = 0 costs inside a
+   speculative vLLM.
 Writes <artifacts>/perf/vllm_compare.json and .md.
 """
 
@@ -152,6 +155,36 @@ def part_serving(cfg, ws: Workspace, args) -> dict:
     return {"rows": rows, "vllm_from": str(tune_file)}
 
 
+def part_zero(cfg, ws: Workspace, args) -> dict:
+    """Is k = 0 inside a speculative vLLM the same as no speculation? vLLM without speculation,
+    then prompt lookup (no model to run) with the schedule k=4 at batch size 1 and 0 above."""
+    prompts = [r["prompt"] for r in read_jsonl(ws.test_file)]
+    levels = cfg.vllm.tune_concurrency
+    arms = {"no speculation": None,
+            "ngram, [[1, 1, 4], [2, 1024, 0]]":
+                vllm.speculative_config("ngram", None, 4, [[1, 1, 4], [2, 1024, 0]])}  # fmt: skip
+    rows = {}
+    for i, (label, spec) in enumerate(arms.items()):
+        log = ws.root / "perf" / f"vllm-zero-{i}.log"
+        with vllm.VllmServer(cfg, vllm.target_dir(cfg, ws), spec, log) as srv:
+            ep = loadtest.Endpoint(srv.url)
+            model = ep.model()
+            for c in levels:  # warm-up, as tune-vllm does
+                loadtest.sweep_point(ep, model, prompts[:c], c, 8)
+            rows[label] = {
+                c: loadtest.sweep_point(
+                    ep,
+                    model,
+                    prompts[: max(cfg.vllm.tune_prompts, 2 * c)],
+                    c,
+                    cfg.vllm.tune_max_tokens,
+                )["tokens_per_second"]  # fmt: skip
+                for c in levels
+            }
+        print(f"zero: {label}: {rows[label]}", flush=True)
+    return {"rows": rows}
+
+
 def markdown(p: dict) -> str:
     lines = ["# Phoenix next to vLLM", "", header(p["environment"]) + ".", ""]
     if "teacher" in p:
@@ -185,6 +218,14 @@ def markdown(p: dict) -> str:
                 for name, row in s.items()
             ],  # fmt: skip
         )
+    if "zero" in p:
+        rows = p["zero"]["rows"]
+        levels = list(next(iter(rows.values())))
+        lines += ["", "k = 0 inside a speculative vLLM, aggregate tokens/s:", ""]
+        lines += table(
+            ["vLLM", *(f"{c} clients" for c in levels)],
+            [[name, *(f"{row[c]:.1f}" for c in levels)] for name, row in rows.items()],
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -201,7 +242,8 @@ def main() -> None:
     ws = Workspace(args.artifacts)
     out = {"environment": environment(cfg)}
     perf = Path(args.artifacts) / "perf"
-    parts = {"teacher": part_teacher, "fidelity": part_fidelity, "serving": part_serving}
+    parts = {"teacher": part_teacher, "fidelity": part_fidelity, "serving": part_serving,
+             "zero": part_zero}  # fmt: skip
     for name in args.parts:
         out[name] = parts[name](cfg, ws, args)
         write_results(perf, "vllm_compare", out, markdown(out))

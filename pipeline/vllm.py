@@ -444,13 +444,13 @@ def tune_report(results: dict, learned: dict) -> str:
             f"{verdict['vs_no_speculation']:.2f}x no speculation.",
             "",
         ]
-        if verdict["vs_no_speculation"] < 1 and learned["strategy"] == "draft":
+        if verdict["vs_no_speculation"] < 1:
             lines += [
-                "Below 1.00x no speculation: a vLLM started with a draft model runs it over "
-                "every new token to keep its cache, also where the schedule says k = 0, so a "
-                "schedule cannot give the large batches back all of their speed. If the load "
-                "is mostly in those ranges, serve without speculation (`serve --engine vllm "
-                "--mode target`).",
+                "Below 1.00x no speculation: a vLLM started with speculation runs its "
+                "speculative path also where the schedule says k = 0 (with a draft model it "
+                "still runs the draft over every new token), so a schedule cannot give the "
+                "large batches back all of their speed. If the load is mostly in those "
+                "ranges, serve without speculation (`serve --engine vllm --mode target`).",
                 "",
             ]
     lines += [
