@@ -96,16 +96,17 @@ def part_fidelity(cfg, ws: Workspace, args) -> dict:
     served = drafts.resolve_served(cfg, ws)
     draft = vllm.draft_dir(cfg, ws, served)
     tok = models.load_tokenizer(vllm.target_dir(cfg, ws))
-    prompts = [r["prompt"] for r in read_jsonl(ws.test_file)[: args.prompts]]
+    prompts = loadtest.held_out_prompts(ws, args.prompts)
     ids = [models.user_prompt_ids(tok, p, cfg.template_kwargs()) for p in prompts]
     n = cfg.bench.max_new_tokens
     target = models.load_pair(cfg, ws, None)
     out = {"draft": draft, "prompts": len(prompts), "max_new_tokens": n, "k": {}}
     heads = {"full head": True, "pruned head": False} if cfg.engine.draft_vocab else {"": True}
+    pairs = {name: models.load_pair(cfg, ws, draft, share_target=target, full_head=full)
+             for name, full in heads.items()}  # fmt: skip
     for k in (2, 4):
         row = {}
-        for name, full in heads.items():
-            pair = models.load_pair(cfg, ws, draft, share_target=target, full_head=full)
+        for name, pair in pairs.items():
             res = [pair.engine.generate(p, k, n) for p in ids]
             prop = sum(r.proposed for r in res)
             row[f"phoenix {name}".strip()] = sum(r.accepted for r in res) / prop if prop else None
@@ -128,7 +129,7 @@ def part_serving(cfg, ws: Workspace, args) -> dict:
     if not tune_file.is_file():
         raise SystemExit(f"{tune_file} is missing: run `python -m pipeline tune-vllm` first")
     tune = json.loads(tune_file.read_text())
-    prompts = [r["prompt"] for r in read_jsonl(ws.test_file)]
+    prompts = loadtest.held_out_prompts(ws)
     rows = {}
     for mode in ("target", "bandit"):
         log = ws.root / "perf" / f"serve-{mode}.log"
@@ -157,30 +158,17 @@ def part_serving(cfg, ws: Workspace, args) -> dict:
 
 def part_zero(cfg, ws: Workspace, args) -> dict:
     """Is k = 0 inside a speculative vLLM the same as no speculation? vLLM without speculation,
-    then prompt lookup (no model to run) with the schedule k=4 at batch size 1 and 0 above."""
-    prompts = [r["prompt"] for r in read_jsonl(ws.test_file)]
-    levels = cfg.vllm.tune_concurrency
+    then prompt lookup (no model to run) with the schedule k=4 at batch size 1 and 0 above,
+    each measured as tune-vllm measures an arm."""
+    prompts = loadtest.held_out_prompts(ws)
     arms = {"no speculation": None,
             "ngram, [[1, 1, 4], [2, 1024, 0]]":
                 vllm.speculative_config("ngram", None, 4, [[1, 1, 4], [2, 1024, 0]])}  # fmt: skip
     rows = {}
     for i, (label, spec) in enumerate(arms.items()):
         log = ws.root / "perf" / f"vllm-zero-{i}.log"
-        with vllm.VllmServer(cfg, vllm.target_dir(cfg, ws), spec, log) as srv:
-            ep = loadtest.Endpoint(srv.url)
-            model = ep.model()
-            for c in levels:  # warm-up, as tune-vllm does
-                loadtest.sweep_point(ep, model, prompts[:c], c, 8)
-            rows[label] = {
-                c: loadtest.sweep_point(
-                    ep,
-                    model,
-                    prompts[: max(cfg.vllm.tune_prompts, 2 * c)],
-                    c,
-                    cfg.vllm.tune_max_tokens,
-                )["tokens_per_second"]  # fmt: skip
-                for c in levels
-            }
+        arm = vllm.measure(cfg, vllm.target_dir(cfg, ws), spec, log, prompts, label)
+        rows[label] = {c: p["tokens_per_second"] for c, p in arm["points"].items()}
         print(f"zero: {label}: {rows[label]}", flush=True)
     return {"rows": rows}
 

@@ -161,7 +161,7 @@ def sweep_point(
     it is free): aggregate output tokens/s over the wall clock, latency and TTFT percentiles,
     and the acceptance the server's counters moved by."""
     before = ep.spec_counters()
-    todo = iter(enumerate(prompts))
+    todo = iter(prompts)
     lock = threading.Lock()
     results: list[dict] = []
     bar = tqdm(total=len(prompts), desc=progress, unit="req", disable=progress is None)
@@ -172,7 +172,7 @@ def sweep_point(
                 item = next(todo, None)
             if item is None:
                 return
-            res = ep.chat(model, item[1], max_tokens, extra)
+            res = ep.chat(model, item, max_tokens, extra)
             with lock:
                 results.append(res)
                 bar.update(1)
@@ -208,7 +208,8 @@ def _endpoint(cfg: Config, url: str | None) -> Endpoint:
     return Endpoint(base, os.environ.get(cfg.server.api_key_env))
 
 
-def _prompts(ws: Workspace, n: int | None = None) -> list[str]:
+def held_out_prompts(ws: Workspace, n: int | None = None) -> list[str]:
+    """The split's held-out prompts (the first `n`); InputError before the split has run."""
     if not ws.test_file.exists():
         raise InputError(f"{ws.test_file} is missing: run the split stage first (make split)")
     return [r["prompt"] for r in read_jsonl(ws.test_file)][:n]
@@ -223,7 +224,7 @@ def run(
     """bench --load: `requests_total` requests (the held-out prompts, cycled) over `clients`."""
     ep = _endpoint(cfg, url)
     model = ep.model()
-    prompts = _prompts(ws)
+    prompts = held_out_prompts(ws)
     prompts = [prompts[i % len(prompts)] for i in range(requests_total)]
     point = sweep_point(ep, model, prompts, clients, cfg.bench.max_new_tokens, NO_CAPTURE, "load")
     summary = {"url": ep.base, "model": model, **point}
@@ -238,7 +239,7 @@ def run_remote(cfg: Config, ws: Workspace, url: str, clients: int = 1) -> dict[s
     server, `clients` at a time (1: the bench's protocol)."""
     ep = _endpoint(cfg, url)
     model = ep.model()
-    prompts = _prompts(ws, cfg.bench.prompts)
+    prompts = held_out_prompts(ws, cfg.bench.prompts)
     point = sweep_point(
         ep, model, prompts, clients, cfg.bench.max_new_tokens, NO_CAPTURE, f"bench {ep.base}"
     )

@@ -4,6 +4,7 @@ loopback port, a child that dies with its parent, and a stop that never leaves o
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -24,6 +25,20 @@ def _die_with_parent() -> None:  # runs in the child before exec (Linux): no orp
 
 
 PREEXEC = _die_with_parent if sys.platform == "linux" else None  # Popen(preexec_fn=PREEXEC)
+
+
+def stop_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
+    """For a child started with `start_new_session=True` (vLLM starts engine processes):
+    SIGTERM to its whole process group, then SIGKILL to whatever of the group is left."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=timeout_s)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return proc.returncode
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 15.0) -> int:

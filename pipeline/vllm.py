@@ -40,8 +40,8 @@ from . import loadtest, models
 from .artifacts import weights_id
 from .config import Config
 from .errors import ConfigError, PhoenixError
-from .subprocs import PREEXEC, free_port
-from .workspace import Workspace, atomic_write_json, atomic_write_text, read_jsonl
+from .subprocs import PREEXEC, free_port, stop_group
+from .workspace import Workspace, atomic_write_json, atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -240,24 +240,7 @@ class VllmServer:
             time.sleep(0.5)
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
-        """SIGTERM to the whole group (vLLM starts engine processes), then SIGKILL."""
-        proc = self.proc
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-            except ProcessLookupError:
-                pass
-        try:  # whatever is left of the group (engine cores) goes too
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
-        return proc.returncode
+        return None if self.proc is None else stop_group(self.proc, timeout_s)
 
 
 # --- what vLLM runs ----------------------------------------------------------------------------
@@ -318,9 +301,7 @@ def tune(cfg: Config, ws: Workspace) -> dict[str, Any]:
     vllm_python(cfg)  # exit 2 at once, saying how to install it
     served = drafts.resolve_served(cfg, ws)
     target, draft = target_dir(cfg, ws), draft_dir(cfg, ws, served)
-    if not ws.test_file.exists():
-        raise ConfigError(f"{ws.test_file} is missing: run the split stage first (make split)")
-    prompts = [r["prompt"] for r in read_jsonl(ws.test_file)]
+    prompts = loadtest.held_out_prompts(ws)
     out_dir = ws.root / "vllm"
     arms = [("0", None, 0)]
     arms += [(f"draft:{k}", "draft", k) for k in v.tune_ks if k]
@@ -330,22 +311,7 @@ def tune(cfg: Config, ws: Workspace) -> dict[str, Any]:
 
     def sweep(label: str, spec: dict | None) -> dict:
         log_path = out_dir / f"vllm-{label.replace(':', '_')}.log"
-        with VllmServer(cfg, target, spec, log_path) as server:
-            ep = loadtest.Endpoint(server.url)
-            model = ep.model()
-            # Warm-up, outside every figure: vLLM compiles a batch size's step on first use.
-            for c in v.tune_concurrency:
-                loadtest.sweep_point(ep, model, prompts[:c], c, 8)
-            points = {}
-            for c in v.tune_concurrency:
-                n = max(v.tune_prompts, 2 * c)
-                batch = [prompts[i % len(prompts)] for i in range(n)]
-                points[c] = loadtest.sweep_point(
-                    ep, model, batch, c, v.tune_max_tokens, progress=f"vllm {label} c={c}"
-                )
-                log.info("vllm %s, %d clients: %.2f tokens/s", label, c,
-                         points[c]["tokens_per_second"])  # fmt: skip
-        return {"spec": spec, "ready_s": server.ready_s, "points": points}
+        return measure(cfg, target, spec, log_path, prompts, label)
 
     for label, strategy, k in arms:
         method = METHODS.get(strategy)
@@ -386,6 +352,29 @@ def tune(cfg: Config, ws: Workspace) -> dict[str, Any]:
     return {"schedule": json.dumps(schedule), "strategy": strategy}
 
 
+def measure(
+    cfg: Config, target: str, spec: dict | None, log_path: Path, prompts: list[str], label: str
+) -> dict[str, Any]:
+    """One vLLM server with `spec`, warmed up at every concurrency of `vllm.tune_concurrency`
+    (vLLM compiles a batch size's step on first use: outside every figure), then one sweep
+    point per concurrency (at least `vllm.tune_prompts` requests, 2 per client)."""
+    v = cfg.vllm
+    with VllmServer(cfg, target, spec, log_path) as server:
+        ep = loadtest.Endpoint(server.url)
+        model = ep.model()
+        for c in v.tune_concurrency:
+            loadtest.sweep_point(ep, model, prompts[:c], c, 8)
+        points = {}
+        for c in v.tune_concurrency:
+            batch = [prompts[i % len(prompts)] for i in range(max(v.tune_prompts, 2 * c))]
+            points[c] = loadtest.sweep_point(
+                ep, model, batch, c, v.tune_max_tokens, progress=f"vllm {label} c={c}"
+            )
+            log.info("vllm %s, %d clients: %.2f tokens/s", label, c,
+                     points[c]["tokens_per_second"])  # fmt: skip
+    return {"spec": spec, "ready_s": server.ready_s, "points": points}
+
+
 def schedule_verdict(results: dict) -> dict[str, float] | None:
     """The schedule's sweep against the fixed arms': the smallest ratio, over concurrencies, to
     the best fixed arm at that concurrency and to no speculation (None before its sweep)."""
@@ -420,7 +409,7 @@ def tune_report(results: dict, learned: dict) -> str:
         "|" + "---|" * (len(cs) + 1),
     ]
     base = results["arms"].get("0", {}).get("points", {})
-    verdict = schedule_verdict(results)
+    verdict = results.get("verdict")
     for label, arm in results["arms"].items():
         cells = []
         for c in cs:
