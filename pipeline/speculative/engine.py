@@ -46,6 +46,14 @@ class GenerationResult:
     proposed_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     first_token_s: float | None = None  # from the start to the first committed token
+    cost_s: float | None = None  # the step loop: its prefill plus its shares of the steps
+    queued_s: float = 0.0  # the step loop: from submission to joining
+
+    @property
+    def goodput(self) -> float:
+        """Output tokens over what they cost the batch (`cost_s`; alone: the latency)."""
+        cost = self.cost_s if self.cost_s is not None else self.latency_s
+        return self.output_tokens / cost if cost > 0 else 0.0
 
     @property
     def output_tokens(self) -> int:
