@@ -19,6 +19,7 @@ import argparse
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -33,24 +34,9 @@ from pipeline.workspace import Workspace, read_jsonl
 
 def drive(prompts, clients: int, send) -> tuple[float, list]:
     """`clients` threads share the prompts in order; returns (seconds, results in order)."""
-    out: list = [None] * len(prompts)
-    nxt = iter(range(len(prompts)))
-    lock = threading.Lock()
-
-    def client():
-        while True:
-            with lock:
-                i = next(nxt, None)
-            if i is None:
-                return
-            out[i] = send(prompts[i])
-
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(clients) as pool:  # hands the prompts out in order
+        out = list(pool.map(send, prompts))
     return time.perf_counter() - t0, out
 
 
@@ -59,7 +45,6 @@ class Today:
 
     def __init__(self, engine, max_rows: int):
         self.engine, self.lock = engine, threading.Lock()
-        self.batch = TargetBatch(engine)
         self.max_rows = max_rows
 
     def plain_all(self, prompts, clients, tokens):

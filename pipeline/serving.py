@@ -33,16 +33,13 @@ from .speculative.bandit import (
 )
 from .speculative.batch import TargetBatch
 from .speculative.engine import GenerationResult, SpeculativeEngine
+from .speculative.scheduler import Cancelled  # one class for every path that can be cancelled
 
 log = logging.getLogger(__name__)
 
 
 class ModeError(ValueError):
     """A mode string that is malformed or names an arm this core cannot run."""
-
-
-class Cancelled(Exception):
-    """The caller cancelled (client gone, shutdown) before its generation could start or finish."""
 
 
 class Heartbeat:

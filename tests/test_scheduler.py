@@ -7,7 +7,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from pipeline.models import user_prompt_ids
 from pipeline.speculative.arms import parse_arm
@@ -152,7 +151,7 @@ def test_row_cache_rolls_back_one_row_without_touching_the_other(tiny_models):
     cache2 = RowCache(target, rows=1, limit=64)
     e = cache2.alloc()
     assert again[0] == target_scores(target, cache2, [e], [[*seq_b, 4, 13, 13]], 0)[0][-1:]
-    assert torch.is_tensor(cache.keys[0]) and cache.capacity >= 8
+    assert cache.capacity > 8  # it grew past its first capacity, prefixes kept
 
 
 def test_step_cost_shares_split_the_fixed_part_equally_and_tokens_by_row():

@@ -50,12 +50,6 @@ class GenerationResult:
     queued_s: float = 0.0  # the step loop: from submission to joining
 
     @property
-    def goodput(self) -> float:
-        """Output tokens over what they cost the batch (`cost_s`; alone: the latency)."""
-        cost = self.cost_s if self.cost_s is not None else self.latency_s
-        return self.output_tokens / cost if cost > 0 else 0.0
-
-    @property
     def output_tokens(self) -> int:
         return len(self.token_ids)
 

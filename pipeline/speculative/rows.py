@@ -83,9 +83,6 @@ class RowCache(Cache):
         """Keep the first `length` positions of a row (a rejected guess only shortens it)."""
         self.lengths[slot] = min(self.lengths[slot], length)
 
-    def reset(self) -> None:
-        self.used = 0
-
     def _grow(self, capacity: int) -> None:
         capacity = min(max(capacity, self.capacity), self.limit)
         if capacity <= self.capacity:

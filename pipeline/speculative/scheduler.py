@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 
 class Cancelled(Exception):
-    """The caller cancelled (client gone, shutdown) before its generation could start."""
+    """The caller cancelled (client gone, shutdown) before its generation could start or finish."""
 
 
 @dataclass(eq=False)
@@ -90,7 +90,6 @@ class _Row:
     verify_s: float = 0.0
     cost_s: float = 0.0
     first_s: float | None = None
-    stopped: bool = False
 
 
 class StepCost:
@@ -138,13 +137,11 @@ class StepLoop:
         max_rows: int = 16,
         beat: Callable[[], None] | None = None,
         cost: StepCost | None = None,
-        gather_s: float = 0.0,
     ):
         self.engine = engine
         self.max_rows = max(1, max_rows)
         self.beat = beat or (lambda: None)
         self.cost = cost or StepCost()
-        self.gather_s = gather_s
         self.limit = engine.max_context or 4096
         self.queue: queue.Queue[Job] = queue.Queue()
         self.calls: queue.Queue[tuple[Callable, threading.Event, list]] = queue.Queue()
@@ -162,10 +159,6 @@ class StepLoop:
     @property
     def running(self) -> int:
         return len(self.rows)
-
-    @property
-    def waiting(self) -> int:
-        return self.queue.qsize()
 
     def check(self, prompt: list[int], max_tokens: int, arm: Arm) -> None:
         """Refuse a request that cannot join (alone, before it joins)."""
@@ -301,10 +294,9 @@ class StepLoop:
         for draft arms), all joiners in one batched pass per model."""
         room = self.max_rows - len(self.rows)
         jobs: list[Job] = []
-        deadline = time.monotonic() + (self.gather_s if not self.rows else 0.0)
         while len(jobs) < room:
             try:
-                job = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                job = self.queue.get_nowait()
             except queue.Empty:
                 break
             if job.cancelled:
