@@ -138,7 +138,7 @@ def test_row_cache_rolls_back_one_row_without_touching_the_other(tiny_models):
     a, b = cache.alloc(), cache.alloc()
     seq_a, seq_b = [5, 6, 7, 8, 9], [11, 12]
     target_scores(target, cache, [a, b], [seq_a, seq_b], 0)
-    target_scores(target, cache, [a, b], [[1, 2, 3], [4]], 0)  # ragged, past the capacity of 8
+    target_scores(target, cache, [a, b], [[1, 2, 3, 4], [4]], 0)  # ragged, past the capacity of 8
     cache.crop(a, len(seq_a) + 1)  # row a keeps only token 1
     got = target_scores(target, cache, [a, b], [[2], [13]], 0)
     fresh = RowCache(target, rows=2, limit=64)

@@ -66,6 +66,7 @@ class RowCache(Cache):
         self.lengths[slot] = 0
         return slot
 
+    @torch.inference_mode()  # the tensors are made inside it (a forward grows them)
     def release(self, slot: int) -> int | None:
         """Free `slot`. The last row moves into it; returns the slot it moved from (None when
         `slot` was the last)."""
