@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from pipeline.config import load_config
-from pipeline.serving import make_bandit, make_guard
+from pipeline.serving.policy import make_bandit, make_guard
 from pipeline.speculative.arms import canonical
 from pipeline.speculative.replay import load_table, replay, summarise
 

@@ -59,16 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="both",
         help="bench: which drafts to measure (default: bench.drafts from config)",
     )
-    p.add_argument("--load", action="store_true", help="bench: drive a running server over HTTP")
     p.add_argument(
-        "--url",
-        help="bench: measure the held-out prompts on any OpenAI-compatible server at URL "
-        "(with --load: the server to load; default from server config)",
+        "--url", help="bench: measure the held-out prompts on any OpenAI-compatible server at URL"
     )
-    p.add_argument(
-        "--clients", type=int, help="bench: concurrent clients (--load: 4; --url: 1, the protocol)"
-    )
-    p.add_argument("--requests", type=int, default=40, help="bench --load: total requests")
+    p.add_argument("--clients", type=int, help="bench --url: concurrent clients (1: the protocol)")
     p.add_argument(
         "--resume", metavar="RUN_ID", help="retrain: resume this run (default: latest unfinished)"
     )
@@ -131,10 +125,6 @@ def run_stage(stage: str, cfg: Config, ws: Workspace, args: argparse.Namespace, 
             from . import merge
 
             figures.update(merge.run(cfg, ws))
-        elif stage == "bench" and args.load:
-            from . import loadtest
-
-            figures.update(loadtest.run(cfg, ws, args.url, args.clients or 4, args.requests))
         elif stage == "bench" and args.url:
             from . import loadtest
 

@@ -26,7 +26,8 @@ from . import models, report
 from .artifacts import weights_id
 from .config import Config
 from .errors import InputError, VerificationError
-from .serving import ServingCore, fixed, make_core, parse_mode
+from .serving.core import ServingCore, make_core
+from .serving.request import Request, fixed, parse_mode
 from .speculative.arms import parse_arm
 from .workspace import Workspace, atomic_write_json, atomic_write_text, read_jsonl
 
@@ -48,7 +49,8 @@ def hardware() -> str:
     return f"{cpu}, {os.cpu_count()} cores{gpu}"
 
 
-def environment(cfg: Config, device: str) -> dict[str, Any]:
+def environment(cfg: Config, device: str, dtype: str | None = None) -> dict[str, Any]:
+    """Machine, device, the dtype that ran (default: `models.dtype` as set), threads, versions."""
     import torch
     import transformers
 
@@ -57,7 +59,7 @@ def environment(cfg: Config, device: str) -> dict[str, Any]:
     return {
         "hardware": hardware(),
         "device": device,
-        "dtype": str(models.pick_dtype(cfg.models.dtype, device)).replace("torch.", ""),
+        "dtype": dtype or str(models.pick_dtype(cfg.models.dtype, device)).replace("torch.", ""),
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -87,12 +89,14 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
         )
     rows = read_jsonl(ws.test_file)[: cfg.bench.prompts]
     target = models.load_pair(cfg, ws, None)
-    compiled = models.compile_engine(cfg, ws, target.engine, ["0", *free_arms(cfg)])
+    compiled = models.compile_engine(cfg, ws, target)
     ids = prompt_ids(cfg, target.tokenizer, rows)
     engines = {"none": {"compiled": compiled}}
     records = measure_all(cfg, ws, telemetry, drafts, rows, target, ids, engines)
-    mismatches, near_ties = check_lossless(records, target, ids, cfg.bench.lossless_margin)
-    results = summarise(cfg, ws, drafts, records, mismatches, near_ties)
+    dtype = str(target.target.dtype).replace("torch.", "")
+    margin = lossless_margin(cfg, dtype)
+    mismatches, near_ties = check_lossless(records, target, ids, margin)
+    results = summarise(cfg, ws, drafts, records, mismatches, near_ties, dtype, margin)
     results["engine"] = engine_summary(cfg, records, engines)
     # Which weights each row measured: the server names a draft's acceptance only for these.
     results["draft_weights"] = {d: engines[d]["weights"] for d in drafts}
@@ -136,7 +140,7 @@ def measure_all(
     for draft in drafts:
         pair = models.load_pair(cfg, ws, draft_specs[draft], share_target=target)
         engines[draft] = {
-            "compiled": models.compile_engine(cfg, ws, pair.engine, cfg.bandit.arms),
+            "compiled": models.compile_engine(cfg, ws, pair),
             "head_ids": pair.engine.draft_head_ids,
             "weights": weights_id(pair.draft_ref),
         }
@@ -147,8 +151,12 @@ def measure_all(
                 measure(core, draft, fixed(arm).spec)
         measure(core, draft, "bandit")
         if cfg.bench.seed_bandit:
-            measure(core_of(pair, draft, policy="seed"), draft, "bandit", "bandit_seed")
+            seed = core_of(pair, draft, policy="seed")
+            measure(seed, draft, "bandit", "bandit_seed")
+            seed.close()
+        core.close()
         del pair, core
+    plain.close()
     return records
 
 
@@ -166,12 +174,12 @@ def measure_mode(cfg, telemetry, core, draft, mode_text, ids, rows, label=None) 
     warm_modes = [fixed(a) for a in core.bandit.arms] if mode.kind == "bandit" else [mode]
     for w in range(cfg.bench.warmup_requests):
         for warm in warm_modes:
-            core.generate(ids[w % len(ids)], min(16, cfg.bench.max_new_tokens), warm)
+            core.generate(Request(ids[w % len(ids)], min(16, cfg.bench.max_new_tokens), warm))
     label = label or mode.name
     out = []
     for i, p in enumerate(tqdm(ids, desc=f"bench {draft}/{label}", unit="req", dynamic_ncols=True)):
         with telemetry.request(mode, core.draft_id) as rec:
-            res = core.generate(p, cfg.bench.max_new_tokens, mode)
+            res = core.generate(Request(p, cfg.bench.max_new_tokens, mode))
             rec.record(res)
         out.append(
             {
@@ -266,7 +274,17 @@ def engine_summary(cfg: Config, records: list[dict], engines: dict) -> dict[str,
     return out
 
 
-def summarise(cfg, ws, drafts, records, mismatches, near_ties=()) -> dict[str, Any]:
+def lossless_margin(cfg: Config, dtype: str) -> float:
+    """`bench.lossless_margin`, or by the dtype that ran when unset: 0 in float32; 0.5 in half
+    precision, where a k+1-token verify rounds unlike one-token steps."""
+    if cfg.bench.lossless_margin is not None:
+        return cfg.bench.lossless_margin
+    return 0.0 if dtype == "float32" else 0.5
+
+
+def summarise(
+    cfg, ws, drafts, records, mismatches, near_ties=(), dtype=None, margin=None
+) -> dict[str, Any]:
     """results.json: rows per (draft, mode), distillation gain, bandit figures, every request."""
     result_rows = report.build_rows(records)
     acceptance = {(r["draft"], r["mode"]): r["acceptance_rate"] for r in result_rows}
@@ -281,8 +299,8 @@ def summarise(cfg, ws, drafts, records, mismatches, near_ties=()) -> dict[str, A
         "identical": not mismatches and not near_ties,  # no difference at all
         "mismatches": mismatches,
         "near_ties": list(near_ties),
-        "lossless_margin": cfg.bench.lossless_margin,
-        "environment": environment(cfg, device),
+        "lossless_margin": lossless_margin(cfg, dtype or "float32") if margin is None else margin,
+        "environment": environment(cfg, device, dtype),
         "protocol": {
             "prompts": len({r["prompt_index"] for r in records}),
             "max_new_tokens": cfg.bench.max_new_tokens,

@@ -94,11 +94,23 @@ class BanditConfig(Section):
     epsilon_start: float = Field(0.3, ge=0, le=1)
     epsilon_floor: float = Field(0.05, ge=0, le=1)
     epsilon_decay: float = Field(0.97, gt=0, le=1)
-    policy: Literal["seed", "plausible", "contextual"] = Field(
-        "plausible",
-        description="seed: the seed's epsilon-greedy (uniform exploration); plausible: explore "
+    policy: Literal["seed", "plausible", "contextual", "goodput"] = Field(
+        "goodput",
+        description="goodput: the arm with the best predicted goodput at the load the request "
+        "joins (acceptance per position learnt from every request, the step loop's measured "
+        "costs); seed: the seed's epsilon-greedy (uniform exploration); plausible: explore "
         "only arms that may still be the best (mean + z standard errors >= best mean); "
         "contextual: plausible, with values per prompt-length, load and recent-acceptance cell.",
+    )
+    explore_margin: float = Field(
+        0.1,
+        ge=0,
+        lt=1,
+        description="goodput: exploration picks among arms predicted within this fraction of "
+        "the best at the request's load.",
+    )
+    save_every_s: float = Field(
+        5.0, ge=0, description="Write the bandit's state file at most this often (and at exit)."
     )
     z: float = Field(2.0, gt=0, description="Standard errors of slack for plausible exploration.")
     prior_weight: float = Field(
@@ -148,7 +160,12 @@ class ServerConfig(Section):
     max_batch: int = Field(
         16,
         ge=1,
-        description="Target-only requests generated together as one padded batch (1: never).",
+        description="Rows the step loop advances together (every arm; the rest wait to join).",
+    )
+    max_body_kb: int = Field(
+        1024,
+        ge=1,
+        description="Request bodies over this size are refused with 413 before they are read.",
     )
     api_key_env: str = Field("PHOENIX_API_KEY", description="Env var; when set, bearer auth.")
     max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens accepted.")
@@ -198,12 +215,13 @@ class EngineConfig(Section):
 
 class BenchConfig(Section):
     max_new_tokens: int = Field(128, ge=1)
-    lossless_margin: float = Field(
-        0.0,
+    lossless_margin: float | None = Field(
+        None,
         ge=0,
         description="A speculative output may leave the target-only output only where the "
         "target's own scores for the two tokens differ by at most this (a numerical near-tie "
-        "of batched vs one-token rounding): 0 for fp32; 0.5 is a safe value for bf16/fp16.",
+        "of batched vs one-token rounding); null: by the dtype that ran, 0 in float32 and 0.5 "
+        "in bfloat16/float16.",
     )
     prompts: int | None = Field(None, ge=1, description="Held-out prompts to use; null: all.")
     fixed_arms: list[int | str] = Field(

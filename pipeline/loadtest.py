@@ -1,14 +1,14 @@
 """Measuring any OpenAI-compatible server from the client's side: Phoenix's, vLLM, or another.
 
     python -m pipeline bench --url URL [--clients 1]        the held-out prompts, one client
-    python -m pipeline bench --load --clients 4 --requests 40 [--url http://127.0.0.1:8000]
+    python -m benchmarks.serving_load                          every mode from 1 to 16 clients
 
 Both send the held-out prompts (<artifacts>/data/test.jsonl) as streamed chat requests of
 `bench.max_new_tokens` tokens, temperature 0, opted out of Phoenix's traffic capture (held-out
 prompts must never become training data). Tokens/s, latency and time to first token come from
 the client; acceptance comes from the server's own Prometheus counters, read before and after
 (vLLM's `vllm:spec_decode_*`, Phoenix's `phoenix:spec_decode_*`: the same names and meaning).
-`bench --url` writes <artifacts>/bench/remote.json, `--load` <artifacts>/bench/load.json.
+`bench --url` writes <artifacts>/bench/remote.json.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -87,6 +88,8 @@ class Endpoint:
                     chunk = json.loads(line[6:])
                     if chunk.get("usage"):
                         out["tokens"] = chunk["usage"]["completion_tokens"]
+                    if chunk.get("phoenix"):  # Phoenix's own figures: the arm that ran it
+                        out["arm"] = chunk["phoenix"].get("arm")
                     delta = (chunk.get("choices") or [{}])[0].get("delta") or {}
                     if delta.get("content") and out["ttft_s"] is None:
                         out["ttft_s"] = time.perf_counter() - t0
@@ -184,6 +187,7 @@ def sweep_point(
     wall = time.perf_counter() - t0
     bar.close()
     ok = [r for r in results if r["status"] == 200]
+    arms = Counter(r["arm"] for r in ok if r.get("arm") is not None)
     lat = [r["latency_s"] for r in ok]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     return {
@@ -199,6 +203,8 @@ def sweep_point(
         "p50_latency_s": report.percentile(lat, 50) if lat else None,
         "p95_latency_s": report.percentile(lat, 95) if lat else None,
         "p50_ttft_s": report.percentile(ttft, 50) if ttft else None,
+        "p95_ttft_s": report.percentile(ttft, 95) if ttft else None,
+        "arms": dict(sorted(arms.items())),  # Phoenix: which arm served the requests
         **acceptance_between(before, ep.spec_counters()),
     }
 
@@ -216,22 +222,6 @@ def held_out_prompts(ws: Workspace, n: int | None = None) -> list[str]:
 
 
 NO_CAPTURE = {"phoenix": {"capture": False}}  # other servers ignore the field
-
-
-def run(
-    cfg: Config, ws: Workspace, url: str | None, clients: int, requests_total: int
-) -> dict[str, Any]:
-    """bench --load: `requests_total` requests (the held-out prompts, cycled) over `clients`."""
-    ep = _endpoint(cfg, url)
-    model = ep.model()
-    prompts = held_out_prompts(ws)
-    prompts = [prompts[i % len(prompts)] for i in range(requests_total)]
-    point = sweep_point(ep, model, prompts, clients, cfg.bench.max_new_tokens, NO_CAPTURE, "load")
-    summary = {"url": ep.base, "model": model, **point}
-    summary["requests_per_second"] = point["succeeded"] / point["wall_s"] if point["wall_s"] else 0
-    atomic_write_json(ws.bench / "load.json", summary)
-    log.info("load: %s", json.dumps(summary))
-    return summary
 
 
 def run_remote(cfg: Config, ws: Workspace, url: str, clients: int = 1) -> dict[str, Any]:

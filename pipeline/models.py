@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, InputError, PhoenixError
-from .workspace import make_temp_dir, sha256_file
+from .workspace import atomic_write_json, make_temp_dir, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,11 @@ def chat_prompt_ids(tok, messages: list[dict], template_kwargs: dict | None = No
 def user_prompt_ids(tok, text: str, template_kwargs: dict | None = None) -> list[int]:
     """`chat_prompt_ids` of one user message (an MBPP prompt)."""
     return chat_prompt_ids(tok, [{"role": "user", "content": text}], template_kwargs)
+
+
+def longest_token_chars(tok) -> int:
+    """The most characters one token of this vocabulary stands for (at least 1)."""
+    return max((len(t) for t in tok.get_vocab()), default=1) or 1
 
 
 def text_prompt_ids(tok, text: str) -> list[int]:
@@ -327,11 +332,70 @@ def pick_device(device: str) -> str:
 
 
 def pick_dtype(dtype: str, device: str):
+    """A dtype setting as torch's: auto is bfloat16 on a GPU, float32 elsewhere (on a CPU the
+    loader measures instead: `cpu_dtype`)."""
     import torch
 
     if dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     return getattr(torch, dtype)
+
+
+def cpu_dtype(ws, target_ref: str) -> str:
+    """`models.dtype: auto` on a CPU: bfloat16 where a short probe of the target's own matmuls
+    (a plain step, a verify, a full batch; `speculative.cpu.probe_dtypes`) measures it faster
+    than float32 on this CPU, else float32. The probe runs once per CPU model, torch and target
+    (its figures kept in <cache>/cpu-probe.json) and its verdict is logged."""
+    import json
+    import platform
+
+    import torch
+
+    from .speculative.cpu import probe_dtypes
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        pass
+    flags = ""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        flags = " ".join(f for f in ("avx512_bf16", "amx_bf16", "avx512f") if f" {f}" in text)
+    except OSError:
+        pass
+    key = f"{cpu} [{flags}] torch {torch.__version__} {target_ref}"
+    path = ws.cache / "cpu-probe.json"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        model = load_model(target_ref, "float32", "cpu")
+        known[key] = probe_dtypes(model)
+        del model
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, known)
+    ms = known[key]
+    dtype = "bfloat16" if ms["bfloat16"] < ms["float32"] else "float32"
+    log.info(
+        "models.dtype=auto: %s on this CPU (%s): its matmuls for a step, a verify and a 16-row "
+        "batch took %.0f ms in float32, %.0f ms in bfloat16",
+        dtype, cpu, ms["float32"], ms["bfloat16"],
+    )  # fmt: skip
+    return dtype
+
+
+def run_dtype(cfg, ws, target_ref: str) -> str:
+    """The dtype the models run in, `models.dtype` resolved (a CPU's auto: `cpu_dtype`)."""
+    device = pick_device(cfg.models.device)
+    if cfg.models.dtype == "auto" and device == "cpu":
+        return cpu_dtype(ws, target_ref)
+    return str(pick_dtype(cfg.models.dtype, device)).replace("torch.", "")
 
 
 def load_model(ref: str, dtype: str = "auto", device: str = "auto"):
@@ -462,9 +526,10 @@ def load_pair(
     and every benchmark script. `draft`: a spec (`cfg.models.draft`, a merged directory, `cut:N`),
     None (target only), or SELF. `share_target`: take the target and tokenizer of a pair already
     loaded (the bench measures several drafts against one target). `full_head`: no pruned
-    draft head, whatever `engine.draft_vocab` says. On a CPU the models' linear layers take the
-    skinny-matmul path (`speculative.cpu`)."""
-    from .speculative.cpu import use_skinny_linears
+    draft head, whatever `engine.draft_vocab` says. On a CPU, `models.dtype: auto` is measured
+    (`cpu_dtype`) and the models' linear layers take the matmul form this CPU runs faster at
+    each number of rows (`speculative.cpu`)."""
+    from .speculative.cpu import choose_linears, use_linears
     from .speculative.engine import SpeculativeEngine
 
     m = cfg.models
@@ -475,15 +540,17 @@ def load_pair(
             share_target.tokenizer,
             share_target.target,
         )
+        dtype = str(target.dtype).replace("torch.", "")
     else:
         target_ref = resolve(m.target, ws.models_cache)
         tok = load_tokenizer(target_ref)
-        target = load_model(target_ref, m.dtype, device)
+        dtype = run_dtype(cfg, ws, target_ref)
+        target = load_model(target_ref, dtype, device)
     if draft == SELF:
         draft_ref, draft_model = SELF, target
     elif draft:
         draft_ref = resolve(draft, ws.models_cache, target_ref=target_ref)
-        draft_model = load_model(draft_ref, m.dtype, device)
+        draft_model = load_model(draft_ref, dtype, device)
     else:
         draft_ref, draft_model = None, None
     eos = eos_ids(tok, target)
@@ -491,9 +558,12 @@ def load_pair(
     if draft_model is not None and draft_ref != SELF and not full_head:
         subset = draft_token_ids(cfg, ws, draft_ref, draft_model.config.vocab_size, eos)
     if device == "cpu":
-        for m in (target, draft_model):
-            if m is not None:
-                use_skinny_linears(m)
+        for name, model in (("target", target), ("draft", draft_model)):
+            if model is not None and getattr(model, "_phoenix_linears", None) is None:
+                model._phoenix_linears = choose_linears(model)
+                use_linears(model, model._phoenix_linears)
+                log.info("%s linears (%s): %s", name, dtype,
+                         model._phoenix_linears.describe())  # fmt: skip
     engine = SpeculativeEngine(
         target,
         draft_model,
@@ -520,42 +590,55 @@ def use_cpu_gqa() -> None:
     os.environ.setdefault(GQA_ENV, "1")
 
 
-def compile_engine(cfg, ws, engine, arms: list) -> bool:
-    """Per `engine.compile`: compile the engine's step functions and warm every shape `arms`
-    (ids such as 0, draft:4, ngram:4) use, logging progress, with torch's caches under <artifacts>/cache/compile (a restart is
-    warm). `auto` falls back to eager with one warning; `true` raises. Returns whether the
-    engine runs compiled."""
+def compile_engine(cfg, ws, pair: Pair) -> bool:
+    """Ready a pair's models for the step loop (their lean runners, `speculative.runner`) and,
+    per `engine.compile`, compile each layer's dense parts and warm every token-count bucket
+    the loop uses, logging progress, with torch's caches under <artifacts>/cache/compile (a
+    restart is warm). `auto` keeps the compiled steps only where a measurement here finds them
+    faster than eager (one-token and 5-token steps, before and after), and falls back to eager
+    with one warning when compiling fails; `true` keeps them and fails loudly. Returns whether
+    the target runs compiled."""
     import os
     import time
 
-    from .speculative.arms import parse_arm
+    from .speculative.runner import WARM_TOKENS, prepare, step_ms, warm_up
 
     how = cfg.engine.compile
+    models_ = [m for m in dict.fromkeys([pair.target, pair.draft]) if m is not None]
+    for m in models_:
+        prepare(m, cfg.engine.max_context)
+    runners = [m._phoenix_runner for m in models_ if m._phoenix_runner is not None]
     if how == "false":
         return False
-    arms = [parse_arm(a).k for a in arms]
+    if not runners:
+        msg = f"engine.compile={how}: {pair.target_ref} has no lean runner to compile"
+        if how == "true":
+            raise PhoenixError(msg)
+        log.warning("%s: eager", msg)
+        return False
+    if all(r.compiled for r in runners):
+        return True  # a shared target, compiled already
     cache = ws.compile_cache
     cache.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
-    mode = "reduce-overhead" if engine.device.type == "cuda" else None  # CUDA graphs
+    target = pair.target
+    probe = (1, 5)
+    eager = {n: step_ms(target, n) for n in probe} if how == "auto" else {}
     t0 = time.perf_counter()
-    log.info(
-        "engine: compiling step functions (%s%s); first start takes minutes, later ones reuse %s",
-        engine.device.type,
-        ", CUDA graphs" if mode else "",
-        cache,
-    )
+    log.info("engine: compiling the step loop's layers (%s); a first start takes minutes, later "
+             "ones reuse %s", pair.engine.device.type, cache)  # fmt: skip
 
-    def progress(which: str, n: int, i: int, total: int, secs: float) -> None:
-        log.info("engine: warmed %s step, %d token(s) [%d/%d] in %.1f s", which, n, i, total, secs)
+    def progress(n: int, i: int, total: int, secs: float) -> None:
+        log.info("engine: warmed %d token(s) [%d/%d] in %.1f s", n, i, total, secs)
 
     try:
-        engine.compile_steps(arms, mode=mode, backend=cfg.engine.backend)
-        if engine.device.type == "cpu":
-            use_cpu_gqa()
-        engine.warm_up(arms, progress)
+        for r in runners:
+            r.compile(backend=cfg.engine.backend)
+        for m in models_:
+            warm_up(m, WARM_TOKENS, progress)
     except Exception as exc:  # noqa: BLE001 - any compile failure means eager under auto
-        engine.uncompile()
+        for r in runners:
+            r.uncompile()
         first_line = (str(exc).strip().splitlines() or [""])[0]
         reason = f"{type(exc).__name__}: {first_line}"
         if how == "true":
@@ -563,4 +646,14 @@ def compile_engine(cfg, ws, engine, arms: list) -> bool:
         log.warning("engine.compile=auto: running eager, compiling failed: %s", reason)
         return False
     log.info("engine: compiled and warm in %.1f s", time.perf_counter() - t0)
+    if how == "auto":
+        compiled = {n: step_ms(target, n) for n in probe}
+        figures = ", ".join(f"{n} token(s) {compiled[n]:.1f} vs {eager[n]:.1f} ms" for n in probe)
+        if sum(compiled.values()) >= sum(eager.values()):
+            for r in runners:
+                r.uncompile()
+            log.warning("engine.compile=auto: compiled steps measured slower than eager on this "
+                        "machine (%s, compiled vs eager): running eager", figures)  # fmt: skip
+            return False
+        log.info("engine.compile=auto: compiled steps kept (%s, compiled vs eager)", figures)
     return True

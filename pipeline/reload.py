@@ -4,7 +4,7 @@ With `server.draft: latest` a watcher thread reads <artifacts>/current every
 `server.reload_poll_s`; `POST /admin/reload-draft` asks at once. A reload resolves
 `server.draft` again (drafts.resolve_served); if that names other weights than the ones
 serving, it loads the new draft beside the old one (sharing the target, while requests keep
-being served), then swaps between requests (ServingCore.swap_draft). A draft that fails to
+being served), then swaps between two steps of the step loop (ServingCore.swap_draft). A draft that fails to
 load leaves the old one serving; the failure is logged and sent to Sentry.
 """
 
@@ -18,6 +18,7 @@ from typing import Any
 from . import models
 from .artifacts import current_pointer, weights_id
 from .drafts import resolve_served
+from .serving.scheduler import background
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +60,7 @@ class DraftReloader:
                 else:
                     self._seen, self._backoff = now, 0.0
 
-        thread = threading.Thread(target=loop, name="phoenix-draft-watch", daemon=True)
-        thread.start()
-        return thread
+        return background(loop, "phoenix-draft-watch")
 
     def reload(self, reason: str) -> dict[str, Any]:
         """Resolve `server.draft` again and swap if it names other weights. Never raises: the
@@ -80,14 +79,8 @@ class DraftReloader:
                 if same_draft(ref, core.pair.draft_ref):
                     return {"reloaded": False, "reason": "already serving it", "draft": old}
                 pair = models.load_pair(self.cfg, self.ws, served.spec, share_target=core.pair)
-                prepare = None
-                if core.engine.compiled:
-                    arms = core.bandit.arms
-
-                    def prepare(engine):  # under the generation lock (shared static cache)
-                        models.compile_engine(self.cfg, self.ws, engine, arms)
-
-                waited = core.swap_draft(pair, served.label, served.describe(), prepare)
+                models.compile_engine(self.cfg, self.ws, pair)  # warm before it serves
+                waited = core.swap_draft(pair, served.label, served.describe())
             except Exception as exc:  # noqa: BLE001 - whatever failed, the old draft serves on
                 self.metrics.draft_reloads.labels(outcome="failed").inc()
                 # Sentry first, with its tags: the logging integration's copy of the same

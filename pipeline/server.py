@@ -4,13 +4,17 @@
                              [--mode target|fixed:K|bandit]          (or: make serve)
 
 GET /health (503 while loading, shutting down or stuck; 200 when ready), GET /v1/models,
-POST /v1/chat/completions, POST /v1/completions (streaming with `stream: true`). Generation is
-serialised per model pair by the serving core, behind a bounded admission: a full server answers
-429. Bad input always gets a 4xx with an OpenAI-style error body, never a 500.
+POST /v1/chat/completions, POST /v1/completions (streaming with `stream: true`). Every request
+runs on the core's one step loop, beside every other, behind a bounded admission: a full server
+answers 429. Bad input always gets a 4xx with an OpenAI-style error body, never a 500; a body
+over `server.max_body_kb` gets 413 before it is read.
 
-Every admitted request is a `Job`: its own generation thread, which hands the admission slot
-back when generation ends, whatever the client does. A client that leaves sets the job's
-`cancel`, and the engine stops after its current round.
+A handler validates, tokenises (off the event loop, the prompt's length bounded first), builds
+one `serving.Request` and hands it to the core (`ServingCore.submit`); the core answers through
+the request's future. The admission slot is handed back when generation ends, whatever the client
+does; a client that leaves sets the request's `cancel`, and it leaves the batch after the
+current step. Streamed text reaches the response through an unbounded queue (bounded by
+max_tokens), so the step loop never waits for a reader.
 """
 
 from __future__ import annotations
@@ -38,7 +42,10 @@ from .drafts import resolve_served
 from .errors import ConfigError
 from .metrics import Metrics
 from .reload import DraftReloader
-from .serving import Cancelled, CoreResult, ModeError, ServingCore, build_core
+from .serving.core import ServingCore, build_core
+from .serving.request import Cancelled, CoreResult, ModeError, Refused
+from .serving.request import Request as CoreRequest
+from .serving.scheduler import background
 from .telemetry import NullTelemetry, setup_telemetry
 from .traffic import TrafficLog
 
@@ -186,88 +193,23 @@ class ServerState:
     max_tokens_limit: int
     stuck_after_s: float
     shutdown_timeout_s: float
+    max_body_bytes: int = 1 << 20
     metrics: Metrics | None = None
     core: ServingCore | None = None
     error: str | None = None
     closing: bool = False  # shutting down: admit nothing new
-    jobs: set[Job] = field(default_factory=set)
-    jobs_lock: threading.Lock = field(default_factory=threading.Lock)
+    inflight: set[CoreRequest] = field(default_factory=set)  # handed to the core, not done
+    inflight_lock: threading.Lock = field(default_factory=threading.Lock)
     traffic: TrafficLog | None = None  # traffic.capture
     reloader: DraftReloader | None = None  # hot swap of the draft
     stopping: threading.Event = field(default_factory=threading.Event)  # ends the watcher
 
 
-class Job:
-    """One admitted request's generation, on a daemon thread of its own.
-
-    The thread owns the request's admission slot and hands it back when generation ends,
-    whatever the client does: gone before the first byte, gone mid-stream, or never reading.
-    `cancel` (client gone, shutdown) stops the engine after its current round. Streamed text
-    goes to an unbounded queue (its size bounded by max_tokens), so the thread never blocks on
-    a reader that is not there."""
-
-    def __init__(self, st: ServerState, loop, work: Callable, streaming: bool):
-        self.st = st
-        self.loop = loop
-        self.work = work  # work(on_text, cancel) -> CoreResult
-        self.cancel = threading.Event()
-        self.future: concurrent.futures.Future = concurrent.futures.Future()
-        self.pieces: asyncio.Queue | None = asyncio.Queue() if streaming else None
-        self.watcher: asyncio.Task | None = None
-        self.thread = threading.Thread(target=self._run, name="phoenix-gen", daemon=True)
-
-    def start(self, request: Request) -> None:
-        """Start generating (the slot is already taken) and watch for the client leaving."""
-        with self.st.jobs_lock:
-            self.st.jobs.add(self)
-        try:
-            self.thread.start()
-        except BaseException:
-            self._release()
-            raise
-        self.watcher = asyncio.ensure_future(_watch_disconnect(request, self))
-
-    def stop(self) -> None:
-        """The caller is done with this job, however it ended: stop generating if still running."""
-        self.cancel.set()  # harmless once generation has ended
-        if self.watcher is not None:
-            self.watcher.cancel()
-
-    def _run(self) -> None:
-        if not self.future.set_running_or_notify_cancel():  # the caller gave up before the start
-            self._release()
-            if self.pieces is not None:
-                self._push(None)
-            return
-        on_text = self._push if self.pieces is not None else None
-        try:
-            self.future.set_result(self.work(on_text, self.cancel))
-        except BaseException as exc:
-            self.future.set_exception(exc)
-        finally:
-            self._release()
-            if self.pieces is not None:
-                self._push(None)  # end of stream, after the result is set
-
-    def _push(self, piece: str | None) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.pieces.put_nowait, piece)
-        except RuntimeError:  # the event loop is gone (shutdown): nobody will read
-            self.cancel.set()
-
-    def _release(self) -> None:
-        with self.st.jobs_lock:
-            if self not in self.st.jobs:
-                return
-            self.st.jobs.discard(self)
-        self.st.admission.leave()
-
-
-async def _watch_disconnect(request: Request, job: Job, poll_s: float = 0.1) -> None:
-    """Cancel the job when its client goes away (before the first byte or mid-stream)."""
-    while not job.future.done():
+async def _watch_disconnect(request: Request, creq: CoreRequest, poll_s: float = 0.1) -> None:
+    """Cancel the request when its client goes away (before the first byte or mid-stream)."""
+    while not creq.future.done():
         if await request.is_disconnected():
-            job.cancel.set()
+            creq.cancel.set()
             return
         await asyncio.sleep(poll_s)
 
@@ -298,7 +240,7 @@ async def health(request: Request):
         return JSONResponse(
             {"status": "error" if st.error else "loading", "detail": st.error}, status_code=503
         )
-    stalled = st.core.heartbeat.stalled_s()
+    stalled = st.core.scheduler.stalled_s()
     figures = {"admitted": st.admission.count, "generating": st.core.generating}
     if stalled > st.stuck_after_s:
         detail = f"generation has made no progress for {stalled:.0f} s"
@@ -345,8 +287,11 @@ async def chat(request: Request):
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     if not any(m["content"].strip() for m in messages):
         raise bad_request("messages are all empty", "messages")
-    try:
-        prompt_ids = core.chat_prompt_ids(messages, req.chat_template_kwargs)
+    _bound_prompt(core, sum(len(m["content"]) for m in messages), "messages")
+    try:  # off the event loop: a long prompt never holds up other requests
+        prompt_ids = await asyncio.to_thread(
+            core.chat_prompt_ids, messages, req.chat_template_kwargs
+        )
     except Exception as exc:  # a template that rejects this conversation
         raise bad_request(
             f"chat template could not render the messages: {exc}", "messages"
@@ -358,12 +303,31 @@ async def chat(request: Request):
 async def completions(request: Request):
     core = _ready_core(_state(request))
     req = await _parse(request, CompletionRequest)
-    return await _complete(request, req, core.text_prompt_ids(req.prompt), "text")
+    _bound_prompt(core, len(req.prompt), "prompt")
+    prompt_ids = await asyncio.to_thread(core.text_prompt_ids, req.prompt)
+    return await _complete(request, req, prompt_ids, "text")
+
+
+def _bound_prompt(core: ServingCore, chars: int, param: str) -> None:
+    """Refuse, before tokenising, a prompt too long to fit the context whatever its tokens."""
+    if chars > core.max_prompt_chars:
+        raise bad_request(
+            f"the prompt has {chars} characters: more than this model's {core.max_context}-token "
+            "context can hold",
+            param,
+            "context_length_exceeded",
+        )
 
 
 async def _parse(request: Request, schema):
+    st = _state(request)
+    body = bytearray()
+    async for chunk in request.stream():  # bounded as it arrives (a body without a length)
+        body += chunk
+        if len(body) > st.max_body_bytes:
+            raise body_too_large(st)
     try:
-        raw = json.loads(await request.body())
+        raw = json.loads(bytes(body))
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise bad_request("request body is not valid JSON") from None
     if not isinstance(raw, dict):
@@ -372,6 +336,17 @@ async def _parse(request: Request, schema):
         return schema.model_validate(raw)
     except ValidationError as exc:
         raise _validation_error(exc) from None
+
+
+def body_too_large(st: ServerState) -> APIError:
+    return APIError(
+        413,
+        f"request body over this server's limit of {st.max_body_bytes // 1024} KB "
+        "(server.max_body_kb)",
+        "invalid_request_error",
+        None,
+        "request_too_large",
+    )
 
 
 def _check(st: ServerState, core: ServingCore, req: CommonRequest, prompt_ids: list[int]):
@@ -395,11 +370,10 @@ def _check(st: ServerState, core: ServingCore, req: CommonRequest, prompt_ids: l
             "max_tokens",
         )
     ctx = core.max_context
-    if ctx is not None and len(prompt_ids) + max_tokens > ctx:
-        static = " (the static cache's length, engine.max_context)" if core.static_context else ""
+    if len(prompt_ids) + max_tokens > ctx:
         raise bad_request(
-            f"this model's maximum context length is {ctx} tokens{static}; the prompt has "
-            f"{len(prompt_ids)} and max_tokens asks for {max_tokens}",
+            f"this model's maximum context length is {ctx} tokens (engine.max_context); the "
+            f"prompt has {len(prompt_ids)} and max_tokens asks for {max_tokens}",
             "messages",
             "context_length_exceeded",
         )
@@ -427,56 +401,90 @@ async def _complete(request: Request, req: CommonRequest, prompt_ids: list[int],
             headers={"Retry-After": "1"},
         )
 
-    admitted = time.monotonic()
+    loop = asyncio.get_running_loop()
+    pieces: asyncio.Queue | None = asyncio.Queue() if req.stream else None
 
+    def push(piece: str | None) -> None:  # from the scheduler's thread: never blocks
+        with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown)
+            loop.call_soon_threadsafe(pieces.put_nowait, piece)
+
+    creq = CoreRequest(prompt_ids, max_tokens, mode, req.stop or [], push if pieces else None)
+
+    def ended(_future) -> None:  # generation is over, whatever the client does
+        with st.inflight_lock:
+            st.inflight.discard(creq)
+        st.admission.leave()
+        if pieces is not None:
+            push(None)
+
+    creq.future.add_done_callback(ended)
+    with st.inflight_lock:
+        st.inflight.add(creq)
     capture = req.phoenix.capture if req.phoenix else True
-
-    def work(on_text, cancel) -> CoreResult:
-        with st.telemetry.request(mode, core.draft_id) as rec:
-            res = core.generate(prompt_ids, max_tokens, mode, req.stop, on_text, cancel)
-            rec.record(res)
-        st.metrics.record(res, time.monotonic() - admitted)
-        if st.traffic is not None and res.finish_reason != "abort":  # a client that left: no
-            if not capture:
-                st.metrics.traffic.labels(outcome="opted_out").inc()
-            elif st.traffic.append(traffic.record_of(res, prompt_ids, kind)):
-                st.metrics.traffic.labels(outcome="captured").inc()
-            else:
-                st.metrics.traffic.labels(outcome="dropped").inc()
-        return res
-
-    job = Job(st, asyncio.get_running_loop(), work, streaming=req.stream)
-    job.start(request)
+    outcome = asyncio.ensure_future(_observe(st, creq, kind, capture))
+    outcome.add_done_callback(lambda t: t.cancelled() or t.exception())  # always retrieved
+    watcher = asyncio.ensure_future(_watch_disconnect(request, creq))
+    try:
+        core.submit(creq)
+    except Exception as exc:  # noqa: BLE001 - answered like a failed step, never left hanging
+        if not creq.future.done():
+            creq.future.set_exception(exc)
     reply = Reply(core.model_id, kind, len(prompt_ids), bool(req.phoenix and req.phoenix.token_ids))
     if req.stream:
         include_usage = bool((req.stream_options or {}).get("include_usage"))
         return StreamingResponse(
-            _stream(job, reply, include_usage),
+            _stream(creq, outcome, pieces, reply, include_usage, watcher),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
     try:
-        res = await asyncio.wrap_future(job.future)
+        res = await asyncio.shield(outcome)
     except Cancelled:
         raise APIError(499, "client disconnected", "invalid_request_error") from None
+    except Refused as exc:  # cannot join (checked before it would have)
+        raise bad_request(str(exc), "messages") from None
+    except Exception as exc:  # a failed step: this request's, named
+        raise APIError(500, f"generation failed: {exc}", "server_error") from None
     finally:
-        job.stop()
+        creq.cancel.set()  # harmless once generation has ended
+        watcher.cancel()
     return reply.body(res)
 
 
-async def _stream(job: Job, reply: Reply, include_usage: bool):
-    """The SSE body. However it ends (finished, client gone, server cancelled), `job.stop()`."""
+async def _observe(st: ServerState, creq: CoreRequest, kind: str, capture: bool) -> CoreResult:
+    """One request's telemetry, metrics and traffic record, however its client behaves: a task
+    of its own, so a response that ends early does not end it."""
+    with st.telemetry.request(creq.mode, st.core.draft_id) as rec:
+        try:
+            res = await asyncio.wrap_future(creq.future)
+        except Cancelled:  # it left before joining the batch: nothing ran
+            st.metrics.request_success.labels(finished_reason="abort").inc()
+            raise
+        rec.record(res)
+    st.metrics.record(res, time.perf_counter() - creq.submitted)
+    if st.traffic is not None and res.finish_reason != "abort":  # a client that left: no
+        if not capture:
+            st.metrics.traffic.labels(outcome="opted_out").inc()
+        elif st.traffic.append(traffic.record_of(res, creq.prompt_ids, kind)):
+            st.metrics.traffic.labels(outcome="captured").inc()
+        else:
+            st.metrics.traffic.labels(outcome="dropped").inc()
+    return res
+
+
+async def _stream(creq, outcome, pieces, reply: Reply, include_usage: bool, watcher):
+    """The SSE body. However it ends (finished, client gone, server cancelled), the request is
+    cancelled if it still runs."""
     try:
         if reply.kind == "chat":
             yield reply.chunk(None, None, role=True)
-        while (piece := await job.pieces.get()) is not None:
+        while (piece := await pieces.get()) is not None:
             yield reply.chunk(piece, None)
         try:
-            res = job.future.result()
+            res = await asyncio.shield(outcome)
         except Cancelled:
             return
         except Exception as exc:
-            log.exception("generation failed mid-stream")
             yield reply.sse(
                 {
                     "error": {
@@ -496,7 +504,8 @@ async def _stream(job: Job, reply: Reply, include_usage: bool):
             )
         yield "data: [DONE]\n\n"
     finally:
-        job.stop()
+        creq.cancel.set()
+        watcher.cancel()
 
 
 @dataclass
@@ -577,6 +586,7 @@ def create_app(
     traffic_log: TrafficLog | None = None,
     reloader: Callable[[Callable[[], ServingCore | None], Metrics], DraftReloader] | None = None,
     reload_poll_s: float = 0.0,
+    max_body_kb: int = 1024,
 ) -> FastAPI:
     """`load_core` runs in a background thread at start-up; /health says 503 until it is done.
     `traffic_log`: capture served requests. `reloader(get_core, metrics)`: hot swaps of the
@@ -588,6 +598,7 @@ def create_app(
         max_tokens_limit=max_tokens_limit,
         stuck_after_s=stuck_after_s,
         shutdown_timeout_s=shutdown_timeout_s,
+        max_body_bytes=max_body_kb * 1024,
     )
     st.metrics = Metrics(
         queue_depth=lambda: st.admission.count,
@@ -617,19 +628,22 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
-        threading.Thread(target=load, name="phoenix-load", daemon=True).start()
+        background(load, "phoenix-load")
         yield
         # Shutdown: uvicorn has stopped accepting and waited (up to the deadline) for running
-        # requests; whatever still generates is cancelled and gets a moment to end its round.
+        # requests; whatever still generates is cancelled and leaves after the current step.
         st.closing = True
         st.stopping.set()
-        with st.jobs_lock:
-            jobs = list(st.jobs)
-        for job in jobs:
-            job.cancel.set()
-        deadline = time.monotonic() + 1.0
-        for job in jobs:
-            job.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        with st.inflight_lock:
+            inflight = list(st.inflight)
+        for creq in inflight:
+            creq.cancel.set()
+        if inflight:
+            await asyncio.to_thread(
+                concurrent.futures.wait, [c.future for c in inflight], timeout=1.0
+            )
+        if st.core is not None:
+            st.core.close(timeout=1.0)
         if st.traffic is not None:
             st.traffic.close()
         st.telemetry.flush()
@@ -639,7 +653,8 @@ def create_app(
     app.include_router(router)
 
     @app.middleware("http")
-    async def _auth(request: Request, call_next):
+    async def _gate(request: Request, call_next):
+        """The API key (when set), and the body limit before a byte of the body is read."""
         if st.api_key and request.url.path not in ("/health", "/metrics"):
             if request.headers.get("authorization", "") != f"Bearer {st.api_key}":
                 return APIError(
@@ -649,6 +664,9 @@ def create_app(
                     None,
                     "invalid_api_key",
                 ).response()
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > st.max_body_bytes:
+            return body_too_large(st).response()
         return await call_next(request)
 
     app.add_exception_handler(APIError, lambda _r, exc: exc.response())
@@ -739,6 +757,7 @@ def build_app(cfg, ws, mode: str | None = None) -> FastAPI:
         telemetry=telemetry,
         stuck_after_s=cfg.server.stuck_after_s,
         shutdown_timeout_s=cfg.server.shutdown_timeout_s,
+        max_body_kb=cfg.server.max_body_kb,
     )
 
 

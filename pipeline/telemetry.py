@@ -114,7 +114,8 @@ class SentryRecorder(NullRecorder):
                 scope.set_context("drift_guard", ev)
                 self.sdk.capture_message(
                     f"phoenix speculation {ev['event']}: speculative "
-                    f"{ev['speculative_tps']:.2f} vs plain {ev['plain_tps']:.2f} tokens/s",
+                    f"{ev['speculative_tps']:.2f} vs plain {ev['plain_tps']:.2f} (goodput relative to "
+                    "plain at the same load)",
                     level="warning" if ev["event"] == "fallback" else "info",
                 )
         if res.decision is not None:

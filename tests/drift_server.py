@@ -19,7 +19,7 @@ import requests
 from pipeline import models
 from pipeline.config import load_config
 from pipeline.server import create_app
-from pipeline.serving import make_core
+from pipeline.serving.core import make_core
 from pipeline.speculative.engine import SpeculativeEngine
 from pipeline.telemetry import setup_telemetry
 from tests.conftest import TINY_TARGET, wait_http

@@ -11,7 +11,7 @@ import uvicorn
 
 from pipeline.config import load_config
 from pipeline.models import Pair
-from pipeline.serving import ServingCore, make_core
+from pipeline.serving.core import ServingCore, make_core
 from pipeline.speculative.engine import SpeculativeEngine
 from tests.conftest import free_port
 
@@ -46,7 +46,7 @@ def tiny_core(
     state_file=None,
     mode="bandit",
     seed=0,
-    max_batch=1,
+    max_batch=4,
     arms=TINY_ARMS,
     with_draft=True,
     sets=("bandit.fallback=false",),
@@ -70,15 +70,17 @@ def tiny_core(
 
 
 class Valve:
-    """A forward pre-hook on a real model: `close()` makes the next forward passes wait until
-    `open()` (a generation worker that is stuck), `delay_s` slows every pass."""
+    """A forward pre-hook on a real model's input embeddings (the first thing every forward
+    runs, transformers' and the lean runner's alike): `close()` makes the next forward passes
+    wait until `open()` (a generation worker that is stuck), `delay_s` slows every pass."""
 
     def __init__(self, model, delay_s: float = 0.0):
         self.gate = threading.Event()
         self.gate.set()
         self.delay_s = delay_s
         self.calls = 0
-        self.handle = model.register_forward_pre_hook(self._hook)
+        embeddings = model.get_input_embeddings()
+        self.handle = embeddings.register_forward_pre_hook(self._hook)
 
     def _hook(self, _module, _args):
         self.calls += 1

@@ -29,7 +29,12 @@ def test_the_bandits_defaults_are_the_configs():
     params = inspect.signature(EpsilonGreedy).parameters
     for name in ("warmup_pulls", "epsilon_start", "epsilon_floor", "epsilon_decay", "z"):
         assert params[name].default == getattr(b, name), name
-    assert params["explore"].default == b.policy == "plausible"
+    assert params["explore"].default == "plausible" and b.policy == "goodput"
+    from pipeline.speculative.bandit import GoodputBandit
+
+    assert inspect.signature(GoodputBandit).parameters["explore_margin"].default == (
+        b.explore_margin
+    )
 
 
 def drive(b, rewards, n, noise_seed=1):
@@ -198,7 +203,7 @@ def test_replay_of_measured_arms_scores_policies_like_the_bench():
     """The bandit replay (benchmarks/bandit_replay.py): arm 0 is always twice as fast as any
     drafting arm."""
     from pipeline.config import load_config
-    from pipeline.serving import make_bandit, make_guard
+    from pipeline.serving.policy import make_bandit, make_guard
     from pipeline.speculative.replay import replay
 
     b = load_config(None, ["bandit.warmup_pulls=1"]).bandit
@@ -305,18 +310,20 @@ def test_latency_weighted_rewards_make_the_mean_tokens_over_time():
         b.update("a", 1.0, weight=0)
 
 
-@pytest.mark.parametrize("policy", ["plausible", "contextual"])
+@pytest.mark.parametrize("policy", ["plausible", "contextual", "goodput"])
 def test_forgetting_the_draft_arms_keeps_the_rest_and_pulls_them_again(tmp_path, policy):
     """A new draft model: the draft arms start over (pulled again first), 0 and ngram keep
     what they learnt; the state file carries the pending re-pulls across a restart."""
     from pipeline.speculative.bandit import Context, ContextualBandit
 
     arms = ["0", "draft:2", "draft:4", "ngram:4"]
-    make = (
-        (lambda: ContextualBandit(arms, random.Random(0), 1))
-        if policy == "contextual"
-        else (lambda: EpsilonGreedy(arms, random.Random(0), 1))
-    )
+    from pipeline.speculative.bandit import GoodputBandit
+
+    cls = {"contextual": ContextualBandit, "goodput": GoodputBandit}.get(policy, EpsilonGreedy)
+
+    def make():
+        return cls(arms, random.Random(0), 1)
+
     b = make()
     ctx = Context(prompt_tokens=50, queue_depth=0)
     for arm, reward in (("0", 10.0), ("draft:2", 30.0), ("draft:4", 20.0), ("ngram:4", 15.0)):
@@ -333,3 +340,108 @@ def test_forgetting_the_draft_arms_keeps_the_rest_and_pulls_them_again(tmp_path,
     if policy == "contextual":
         assert "draft" not in b.recent_acceptance and "ngram" in b.recent_acceptance
         assert not [k for k in b.cells if k[0].startswith("draft")]
+
+
+def goodput_bandit(arms=("0", "draft:2", "draft:4", "ngram:4"), **kw):
+    from pipeline.speculative.bandit import GoodputBandit
+
+    return GoodputBandit(
+        list(arms), random.Random(0), 1, **{"epsilon_start": 0.0, "epsilon_floor": 0.0, **kw}
+    )
+
+
+def teach(b, arm, rounds, proposed, accepted):
+    """One finished request of `arm`: `rounds` steps, these counts per position."""
+    b.update(
+        arm,
+        1.0,
+        None,
+        sum(accepted) / max(1, sum(proposed)),
+        positions=(rounds, proposed, accepted),
+    )
+
+
+def test_goodput_drafts_alone_and_stops_drafting_under_load():
+    """One draft, one acceptance profile (learnt at one client); the step loop's costs say a
+    row's share of a step is a / rows + b * tokens fed. Alone, the fixed cost dominates and
+    draft:4 wins; at 16 rows every rejected guess costs a token's worth and plain wins. No
+    exploration per load was needed: what one client taught holds at sixteen."""
+    from pipeline.speculative.bandit import Context
+
+    b = goodput_bandit()
+    for _ in range(4):
+        b.choose()  # the warm-up, one pull per arm
+    teach(b, "draft:4", 10, [10, 10, 10, 10], [8, 6, 5, 4])  # P = .8, .6, .5, .4
+    teach(b, "draft:2", 10, [10, 10], [8, 6])
+    teach(b, "ngram:4", 10, [3, 3, 3, 3], [1, 1, 1, 0])  # few lookups hit
+    step, draft = (0.05, 0.004), (0.01, 0.0005)  # a target pass; a draft pass
+    alone = Context(rows=1, step_cost=step, draft_cost=draft)
+    loaded = Context(rows=16, queue_depth=15, step_cost=step, draft_cost=draft, draft_rows=0)
+    assert b.choose(alone).arm == "draft:4"
+    assert b.choose(loaded).arm == "0"
+    # The predictions are the formula's: draft:4 alone = (1 + 2.3) / (a + b * 5 + 4 * (ad + bd)).
+    want = 3.3 / (0.05 + 0.004 * 5 + 4 * (0.01 + 0.0005))
+    assert b.predict("draft:4", alone) == pytest.approx(want)
+    assert b.predict("0", loaded) == pytest.approx(1 / (0.05 / 16 + 0.004))
+    # A draft that stops being accepted is followed: the counts decay per round.
+    for _ in range(40):
+        teach(b, "draft:4", 10, [10, 10, 10, 10], [0, 0, 0, 0])
+        teach(b, "draft:2", 10, [10, 10], [0, 0])
+    assert b.choose(alone).arm in ("0", "ngram:4")
+
+
+def test_goodput_explores_only_near_the_best_prediction():
+    from pipeline.speculative.bandit import Context
+
+    b = goodput_bandit(epsilon_start=1.0, epsilon_floor=1.0, explore_margin=0.3)
+    for _ in range(4):
+        b.choose()
+    teach(b, "draft:4", 10, [10] * 4, [9, 8, 7, 6])
+    teach(b, "draft:2", 10, [10] * 2, [9, 8])
+    teach(b, "ngram:4", 10, [10] * 4, [0, 0, 0, 0])
+    ctx = Context(rows=1, step_cost=(0.05, 0.001), draft_cost=(0.002, 0.0))
+    picks = {b.choose(ctx).arm for _ in range(60)}
+    assert picks <= {"draft:2", "draft:4"} and len(picks) == 2  # never 0 or ngram here
+
+
+def test_policy_saves_state_at_most_every_interval_on_its_clock(tmp_path):
+    """The state file is written by the first reward after `save_every_s` of the injected
+    clock, and by save(); fake time, no sleeps."""
+    from pipeline.config import BanditConfig
+    from pipeline.serving.policy import make_policy
+    from pipeline.serving.request import CoreResult, fixed
+    from pipeline.speculative.bandit import Context
+    from pipeline.speculative.engine import GenerationResult
+
+    now = [100.0]
+    state = tmp_path / "bandit.json"
+    p = make_policy(BanditConfig(save_every_s=5.0), ["0", "ngram:2"], state, clock=lambda: now[0])
+
+    def reward():
+        d = p.choose(Context())
+        res = GenerationResult([1, 2, 3], d.arm, "length", 0.3, 0.0, 0.3, 4, cost_s=0.3)
+        p.reward(d, CoreResult("", "length", fixed("0"), res, d), Context())
+
+    reward()
+    assert not state.exists()  # within the interval: nothing written yet
+    now[0] += 5.0
+    reward()
+    assert sum(json.loads(state.read_text())["counts"].values()) == 2
+    reward()
+    assert sum(json.loads(state.read_text())["counts"].values()) == 2  # throttled again
+    p.save()
+    assert sum(json.loads(state.read_text())["counts"].values()) == 3
+
+
+def test_the_drift_guard_judges_goodput_relative_to_plain_at_its_load():
+    """A speculative request at 8 rows earns less per request than a plain one alone did; what
+    the guard compares is each figure over plain's predicted rate at that load."""
+    from pipeline.config import BanditConfig
+    from pipeline.serving.policy import plain_rate
+    from pipeline.speculative.bandit import Context
+
+    assert plain_rate(Context()) is None
+    step = (0.04, 0.01)
+    assert plain_rate(Context(rows=1, step_cost=step)) == pytest.approx(1 / 0.05)
+    assert plain_rate(Context(rows=8, step_cost=step)) == pytest.approx(1 / 0.015)
+    assert BanditConfig().fallback  # on by default: the figure matters

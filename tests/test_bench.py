@@ -167,21 +167,21 @@ def test_lossless_violation_is_reported_and_fails(merged_ws, tmp_path, monkeypat
     from pipeline import bench
     from pipeline.config import load_config
     from pipeline.errors import VerificationError
-    from pipeline.speculative.engine import SpeculativeEngine
+    from pipeline.speculative.batch import Row
     from pipeline.telemetry import NullTelemetry
     from pipeline.workspace import Workspace
 
     art = tmp_path / "art"
     shutil.copytree(merged_ws, art, ignore=shutil.ignore_patterns("bench"))
-    real = SpeculativeEngine.generate
+    real = Row.result
 
-    def corrupt(self, prompt_ids, k, max_new_tokens, **kw):
-        res = real(self, prompt_ids, k, max_new_tokens, **kw)
-        if k > 0 and res.token_ids:
+    def corrupt(self, reason, queued_s=0.0):  # a speculative row's last token, wrong
+        res = real(self, reason, queued_s)
+        if self.arm.k > 0 and res.token_ids:
             res.token_ids[-1] = (res.token_ids[-1] + 1) % 200
         return res
 
-    monkeypatch.setattr(SpeculativeEngine, "generate", corrupt)
+    monkeypatch.setattr(Row, "result", corrupt)
     cfg = load_config("configs/ci.yaml", ["bench.prompts=2", "bench.drafts=[base]"])
     with pytest.raises(VerificationError, match="lossless check failed"):
         bench.run(cfg, Workspace(art), NullTelemetry())
@@ -190,22 +190,43 @@ def test_lossless_violation_is_reported_and_fails(merged_ws, tmp_path, monkeypat
     assert "Lossless: **NO**" in (art / "bench" / "report.md").read_text()
 
 
-def test_load_mode_against_a_running_server(merged_ws, tmp_path, cli):
+def test_serving_load_sweeps_every_mode_and_names_the_bandits_arms(
+    merged_ws, tmp_path, monkeypatch
+):
+    """benchmarks.serving_load against a running server (--url): every mode at every
+    concurrency, the same prompts, the bandit's arms per point, the table, JSON and plot."""
+    import sys
+
+    from benchmarks import serving_load
     from pipeline.config import load_config
     from pipeline.server import build_app
     from pipeline.workspace import Workspace
 
     art = copy_workspace(merged_ws, tmp_path / "art")
-    app = build_app(load_config("configs/ci.yaml"), Workspace(art), mode="fixed:2")
+    app = build_app(load_config("configs/ci.yaml"), Workspace(art))
     with ServerThread(app) as s:
         wait_http(s.url + "/health")
-        args = ["--load", "--url", s.url, "--clients", "3", "--requests", "9"]
-        r = cli("bench", *CI, "--artifacts", art, *args)
-        assert r.returncode == 0, r.log[-2000:]
-    load = json.loads((art / "bench" / "load.json").read_text())
-    assert load["requests"] == 9 and load["errors"] == 0
-    assert load["succeeded"] + load["rate_limited_429"] == 9 and load["succeeded"] > 0
-    assert load["p95_latency_s"] >= load["p50_latency_s"] > 0
+        argv = ["serving_load", "--config", "configs/ci.yaml", "--artifacts", str(art),
+                "--url", s.url, "--clients", "1", "3", "--requests", "6", "--tokens", "8",
+                "--modes", "target", "fixed:2", "bandit"]  # fmt: skip
+        monkeypatch.setattr(sys, "argv", argv)
+        serving_load.main()
+    out = json.loads((art / "perf" / "serving_load.json").read_text())
+    modes = out["phoenix"]["modes"]
+    assert set(modes) == {"target", "fixed:2", "bandit"}
+    for points in modes.values():
+        assert set(points) == {"1", "3"}
+        for p in points.values():
+            assert p["succeeded"] == p["requests"] == 6 and p["errors"] == 0
+            assert p["tokens_per_second"] > 0 and p["p95_latency_s"] >= p["p50_latency_s"] > 0
+    assert modes["target"]["1"]["arms"] == {"0": 6} and modes["fixed:2"]["3"]["arms"] == {
+        "draft:2": 6
+    }
+    assert sum(modes["bandit"]["3"]["arms"].values()) == 6  # what the bandit chose there
+    assert modes["fixed:2"]["1"]["acceptance"] is not None  # from the server's own counters
+    assert (art / "perf" / "serving_load.png").stat().st_size > 0
+    md = (art / "perf" / "serving_load.md").read_text()
+    assert "x** target-only" in md and "| phoenix | bandit | 3 |" in md
 
 
 @pytest.mark.slow
@@ -240,19 +261,19 @@ def _runner_up_corruption(monkeypatch, target_model):
     real near-tie if the margin allows it, else a mismatch."""
     import torch
 
-    from pipeline.speculative.engine import SpeculativeEngine
+    from pipeline.speculative.batch import Row
 
-    real = SpeculativeEngine.generate
+    real = Row.result
 
-    def runner_up(self, prompt_ids, k, max_new_tokens, **kw):
-        res = real(self, prompt_ids, k, max_new_tokens, **kw)
-        if k > 0 and max_new_tokens > 16 and res.token_ids:  # measured requests, not warm-ups
+    def runner_up(self, reason, queued_s=0.0):
+        res = real(self, reason, queued_s)
+        if self.arm.k > 0 and self.max_tokens > 16 and res.token_ids:  # measured, not warm-ups
             with torch.inference_mode():
-                logits = target_model(input_ids=torch.tensor([list(prompt_ids)])).logits[0, -1]
+                logits = target_model(input_ids=torch.tensor([self.prompt])).logits[0, -1]
             res.token_ids[0] = int(logits.topk(2).indices[1])
         return res
 
-    monkeypatch.setattr(SpeculativeEngine, "generate", runner_up)
+    monkeypatch.setattr(Row, "result", runner_up)
 
 
 @pytest.mark.parametrize("margin", [0.0, 1e6])
@@ -292,18 +313,18 @@ def test_a_difference_is_a_near_tie_only_within_the_margin(
 def test_every_measured_mode_is_warmed_up_first(merged_ws, tmp_path, monkeypatch):
     from pipeline import bench
     from pipeline.config import load_config
-    from pipeline.speculative.engine import SpeculativeEngine
+    from pipeline.speculative.batch import Row
     from pipeline.telemetry import NullTelemetry
     from pipeline.workspace import Workspace
 
     calls = []
-    real = SpeculativeEngine.generate
+    real = Row.result
 
-    def record(self, prompt_ids, k, max_new_tokens, **kw):
-        calls.append((k, max_new_tokens))
-        return real(self, prompt_ids, k, max_new_tokens, **kw)
+    def record(self, reason, queued_s=0.0):  # every request, as it finishes (one at a time)
+        calls.append((self.arm.k, self.max_tokens))
+        return real(self, reason, queued_s)
 
-    monkeypatch.setattr(SpeculativeEngine, "generate", record)
+    monkeypatch.setattr(Row, "result", record)
     art = tmp_path / "art"
     shutil.copytree(merged_ws, art, ignore=shutil.ignore_patterns("bench"))
     sets = ["bench.prompts=2", "bench.drafts=[base]", "bench.fixed_arms=[2]"]

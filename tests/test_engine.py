@@ -204,65 +204,28 @@ def test_arm_without_draft_is_refused(tiny_models):
         SpeculativeEngine(target).generate([1, 2], 2, 5)
 
 
-def test_batched_target_generation_equals_one_at_a_time(engines):
-    from pipeline.speculative.batch import generate_batch
-
-    tok, cut, _ = engines
-    prompts = [ids_for(tok, t) for t in PROMPTS + ["x", "Write a long story about a function."]]
-    limits = [30, 12, 30, 5, 25]
-    batch = generate_batch(cut, prompts, limits)
-    for p, n, b in zip(prompts, limits, batch, strict=True):
-        single = cut.generate(p, 0, n)
-        assert b.token_ids == single.token_ids and b.finish_reason == single.finish_reason
-
-
-def test_rows_joining_a_running_batch_get_one_at_a_time_output(engines):
-    """Continuous batching: rows added between steps (shorter and longer prompts than the
-    running rows' cache) decode exactly as they would alone; finished rows leave at once."""
-    from pipeline.speculative.batch import TargetBatch
-
-    tok, cut, _ = engines
-    first = [ids_for(tok, "hello"), ids_for(tok, PROMPTS[0])]
-    later = [ids_for(tok, "x"), ids_for(tok, PROMPTS[2] + " And explain it at length, please.")]
-    batch = TargetBatch(cut)
-    batch.add([("a", (first[0], 20)), ("b", (first[1], 3))])
-    done = {}
-    for _ in range(4):
-        done.update(batch.step())
-    assert list(done) == ["b"] and batch.active == 1  # b finished after 3 tokens and left
-    batch.add([("c", (later[0], 15)), ("d", (later[1], 25))])
-    assert batch.active == 3
-    while batch.active:
-        done.update(batch.step())
-    for key, (ids, n) in {
-        "a": (first[0], 20),
-        "b": (first[1], 3),
-        "c": (later[0], 15),
-        "d": (later[1], 25),
-    }.items():
-        single = cut.generate(ids, 0, n)
-        assert done[key].token_ids == single.token_ids, key
-        assert done[key].finish_reason == single.finish_reason
-    assert batch.step() == [] and batch.cache is None
-
-
-def test_skinny_linears_match_plain_linear_and_leave_training_alone():
+def test_chosen_linears_match_plain_linear_and_leave_training_alone():
+    """Whatever form the probe picks per bucket of rows, a layer computes what F.linear does;
+    with grad enabled (training) the plain path runs and gradients flow."""
     import torch
     import torch.nn.functional as F
 
-    from pipeline.speculative.cpu import SKINNY_MAX_ROWS, use_skinny_linears
+    from pipeline.speculative.cpu import ALWAYS, BUCKETS, choose_linears, use_linears
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 8, bias=False))
-    assert use_skinny_linears(model) == 2 and use_skinny_linears(model) == 2  # idempotent
-    for rows in (1, 2, 5, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 3):
-        x = torch.randn(1, rows, 24)
-        with torch.inference_mode():
-            got = model(x)
-            want = F.linear(F.linear(x, model[0].weight, model[0].bias), model[1].weight)
-        assert got.shape == (1, rows, 8) and got.is_contiguous()
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    # With grad enabled (training) the plain path runs and gradients flow.
+    chosen = choose_linears(model, repeat=1)
+    assert len(chosen.transposed) == len(BUCKETS) and len(chosen.ms) == len(BUCKETS)
+    assert "rows" in chosen.describe()
+    for choice in (ALWAYS, chosen):
+        assert use_linears(model, choice) == 2 and use_linears(model, choice) == 2  # idempotent
+        for rows in (1, 2, 5, 16, 40):
+            x = torch.randn(1, rows, 24)
+            with torch.inference_mode():
+                got = model(x)
+                want = F.linear(F.linear(x, model[0].weight, model[0].bias), model[1].weight)
+            assert got.shape == (1, rows, 8) and got.is_contiguous()
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     model(torch.randn(3, 24)).sum().backward()
     assert model[0].weight.grad is not None
 

@@ -154,28 +154,65 @@ def test_bench_and_serve_refuse_draft_vocab_without_counts(cli, tmp_path, mbpp_p
     assert "engine.draft_vocab=64 needs the token counts" in res.log
 
 
-def test_compile_auto_falls_back_with_one_warning_and_true_fails(
-    tiny_pair, tmp_path, caplog, monkeypatch
-):
+def test_compile_auto_falls_back_with_one_warning_and_true_fails(tiny_pair, tmp_path, caplog):
     from pipeline.errors import PhoenixError
 
-    monkeypatch.setenv(models.GQA_ENV, "1")  # what compile_engine sets stays in this test
     ws = Workspace(tmp_path / "art")
     ws.models_cache.mkdir(parents=True)
     over = [f"models.target={tiny_pair[0]}", f"models.draft={tiny_pair[1]}"]
     bad = ["engine.backend=no_such_backend"]
     cfg = load_config("configs/ci.yaml", [*over, "engine.compile=auto", *bad])
     pair = models.load_pair(cfg, ws, cfg.models.draft)
-    assert pair.engine.static_len == cfg.engine.max_context
-    assert models.compile_engine(cfg, ws, pair.engine, [0, 2]) is False
+    assert models.compile_engine(cfg, ws, pair) is False
     warnings = [r for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "no_such_backend" in warnings[0].getMessage()
-    assert not pair.engine.compiled
-    assert pair.engine.generate(list(range(5, 20)), 2, 8).output_tokens > 0  # eager works
+    assert not pair.target._phoenix_runner.compiled
     cfg = load_config("configs/ci.yaml", [*over, "engine.compile=true", *bad])
     pair = models.load_pair(cfg, ws, cfg.models.draft)
     with pytest.raises(PhoenixError, match="engine.compile=true: compiling failed"):
-        models.compile_engine(cfg, ws, pair.engine, [0, 2])
+        models.compile_engine(cfg, ws, pair)
+
+
+def test_the_compiled_loop_serves_every_arm_exactly_with_nothing_left_to_compile(
+    tiny_pair, tmp_path
+):
+    """engine.compile=true (dynamo's eager backend: the graphs and guards inductor would get):
+    after the warm-up, rows of every arm, joining and leaving, compile nothing more and give
+    target-only greedy output."""
+    import threading
+
+    from pipeline.serving.scheduler import Job, Scheduler
+    from pipeline.speculative.arms import parse_arm
+    from pipeline.speculative.batch import RowBatch
+
+    ws = Workspace(tmp_path / "art")
+    ws.models_cache.mkdir(parents=True)
+    sets = [f"models.target={tiny_pair[0]}", f"models.draft={tiny_pair[1]}",
+            "engine.compile=true", "engine.backend=eager"]  # fmt: skip
+    cfg = load_config("configs/ci.yaml", sets)
+    pair = models.load_pair(cfg, ws, cfg.models.draft)
+    assert models.compile_engine(cfg, ws, pair) is True
+    tok, eng = pair.tokenizer, pair.engine
+    refs = {t: eng.generate(ids_for(tok, t), 0, 20).token_ids for t in PROMPTS}
+    loop = Scheduler(RowBatch(eng, 4))
+    done, results = threading.Semaphore(0), []
+
+    def finished(job):
+        results.append(job)
+        done.release()
+
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        jobs = [Job(ids_for(tok, t), 20, parse_arm(a), finished, epoch=0) for t in PROMPTS
+                for a in ("0", "draft:2", "draft:4", "ngram:4")]  # fmt: skip
+        for j in jobs:
+            loop.submit(j)
+        for _ in jobs:
+            assert done.acquire(timeout=120)
+    texts = {id(j): t for j, t in zip(jobs, [t for t in PROMPTS for _ in range(4)], strict=True)}
+    for j in results:
+        assert j.error is None, j.error
+        assert j.result.token_ids == refs[texts[id(j)]], j.arm
+    loop.stop()
 
 
 @pytest.mark.slow

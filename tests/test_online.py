@@ -355,43 +355,54 @@ def test_reload_endpoint_needs_the_key_and_keeps_an_unchanged_draft(tmp_path, mo
         assert r.status_code == 400 and "without a draft" in r.json()["error"]["message"]
 
 
-def test_a_waiting_swap_goes_before_queued_requests_and_old_rewards_are_dropped(tiny_models):
-    """One request generates on the old draft while five wait for the lock: the swap goes
-    next, so the five run on the new draft; the draft arms start over."""
+def wait_until(cond, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_swap_lands_between_steps_and_old_rewards_are_dropped(tiny_models):
+    """One request generates on the old draft while five wait to join: the swap lands between
+    two steps, so the running request finishes on the new draft (exactly: its output is still
+    target-only greedy, its reward dropped) and the five join on the new draft; the draft arms
+    start over."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from pipeline.serving import fixed
+    from pipeline.serving.request import Request, fixed
     from pipeline.speculative.engine import SpeculativeEngine
     from tests.servers import Valve, tiny_core
 
     tok, target, draft = tiny_models
-    core = tiny_core(tiny_models)
-    core.draft_id = "old"
+    core = tiny_core(tiny_models, max_batch=1)  # one row: the five wait
+    core._labels[0] = "old"
     core.bandit.warmup_issued = 1  # the first request's warm-up arm: draft:2 (arms[1])
     ids = core.text_prompt_ids("def add(a, b):")
+    reference = core.generate(Request(ids, 8, fixed("0"))).result.token_ids
     valve = Valve(target)
     try:
-        valve.close()  # the first generation holds the lock until the valve opens
-        with ThreadPoolExecutor(6) as pool:
-            first = pool.submit(core.generate, ids, 8, core.mode("bandit"))
-            deadline = time.monotonic() + 30
-            while not core._in_engine and time.monotonic() < deadline:
-                time.sleep(0.01)
-            waiting = [pool.submit(core.generate, ids, 8, fixed("draft:2")) for _ in range(5)]
-            time.sleep(0.3)  # all five are waiting for the lock now
-            new = models_pair(tok, SpeculativeEngine(target, draft, [tok.eos_token_id]))
-            swap = threading.Thread(target=core.swap_draft, args=(new, "new", {"spec": "new"}))
-            swap.start()
-            time.sleep(0.3)  # the swap waits for the lock too
+        valve.close()  # the first request's step waits until the valve opens
+        first = Request(ids, 8, core.mode("bandit"))
+        core.submit(first)
+        wait_until(lambda: core.generating == 1)
+        waiting = [Request(ids, 8, fixed("draft:2")) for _ in range(5)]
+        for r in waiting:
+            core.submit(r)
+        new = models_pair(tok, SpeculativeEngine(target, draft, [tok.eos_token_id]))
+        with ThreadPoolExecutor(1) as pool:
+            swap = pool.submit(core.swap_draft, new, "new", {"spec": "new"})
+            time.sleep(0.3)  # the swap waits for the step to end
             valve.open()
-            swap.join(timeout=60)
-            results = [f.result(timeout=60) for f in [first, *waiting]]
+            swap.result(timeout=60)
+        results = [r.result(timeout=60) for r in [first, *waiting]]
     finally:
         valve.remove()
     assert results[0].draft == "old" and all(r.draft == "new" for r in results[1:])
+    assert all(r.result.token_ids == reference for r in results)  # lossless across the swap
     assert results[0].decision.arm == "draft:2" and core.draft_epoch == 1
-    assert core.bandit.counts["draft:2"] == 0  # forgotten (its old reward: before or dropped)
+    assert core.bandit.counts["draft:2"] == 0  # forgotten, and the old reward dropped
     assert set(core.bandit.rewarm) == {"draft:2", "draft:4", "draft:6", "draft:8"}  # not ngram
+    core.close()
 
 
 def models_pair(tok, engine):
@@ -402,10 +413,8 @@ def models_pair(tok, engine):
 
 def test_a_reward_earned_by_a_swapped_out_draft_is_not_credited(tiny_models):
     """The epoch check alone: the draft changes (epoch bumped) while a bandit request still
-    generates on the old one; its reward is dropped. (Under a real swap the old reward usually
-    lands before the swap's forget; this makes the late case certain.)"""
-    from concurrent.futures import ThreadPoolExecutor
-
+    generates on the old one; its reward is dropped."""
+    from pipeline.serving.request import Request
     from tests.servers import Valve, tiny_core
 
     _, target, _ = tiny_models
@@ -415,16 +424,15 @@ def test_a_reward_earned_by_a_swapped_out_draft_is_not_credited(tiny_models):
     valve = Valve(target)
     try:
         valve.close()
-        with ThreadPoolExecutor(1) as pool:
-            running = pool.submit(core.generate, ids, 8, core.mode("bandit"))
-            deadline = time.monotonic() + 30
-            while not core._in_engine and time.monotonic() < deadline:
-                time.sleep(0.01)
-            core.draft_epoch += 1  # what swap_draft does once it holds the lock
-            valve.open()
-            res = running.result(timeout=60)
+        running = Request(ids, 8, core.mode("bandit"))
+        core.submit(running)
+        wait_until(lambda: core.generating == 1)
+        core.scheduler.batch.epoch += 1  # what a swap does between steps
+        valve.open()
+        res = running.result(timeout=60)
     finally:
         valve.remove()
     assert res.decision.arm == "draft:2" and core.bandit.counts["draft:2"] == 0
-    core.generate(ids, 8, core.mode("bandit"))  # a reward on the current draft counts
+    core.generate(Request(ids, 8, core.mode("bandit")))  # a reward on the current draft counts
     assert sum(core.bandit.counts.values()) == 1
+    core.close()

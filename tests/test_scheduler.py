@@ -1,5 +1,5 @@
-"""The step loop (`speculative.scheduler`): rows of every arm in one batch, joining and leaving
-mid-way, each row's output exactly its target-only greedy output."""
+"""The step loop (`speculative.batch` + `serving.scheduler`): rows of every arm in one batch,
+joining and leaving mid-way, each row's output exactly its target-only greedy output."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import time
 import pytest
 
 from pipeline.models import user_prompt_ids
+from pipeline.serving.request import Cancelled, Refused
+from pipeline.serving.scheduler import Job, Scheduler
 from pipeline.speculative.arms import parse_arm
+from pipeline.speculative.batch import RowBatch, StepCost
 from pipeline.speculative.engine import SpeculativeEngine
 from pipeline.speculative.rows import RowCache, target_scores
-from pipeline.speculative.scheduler import Cancelled, Job, StepCost, StepLoop
 
 PROMPTS = [
     "Write a function to add two numbers.",
@@ -33,15 +35,33 @@ def reference(eng, ids, n):
     return eng.generate(ids, 0, n)
 
 
-def test_rows_of_every_arm_joining_and_leaving_give_target_only_output(engine):
+def StepLoop(eng, max_rows, lean=True):  # noqa: N802 - a scheduler over a fresh batch
+    return Scheduler(RowBatch(eng, max_rows, lean=lean))
+
+
+def submit(loop: Scheduler, ids, n, arm, **kw):
+    """Run one job to its end (blocking): its result, or its error raised."""
+    done = threading.Event()
+    job = Job(ids, n, parse_arm(arm) if isinstance(arm, str) else arm, lambda _j: done.set(), **kw)
+    loop.submit(job)
+    assert done.wait(120)
+    if job.error is not None:
+        raise job.error
+    return job.result
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "transformers"])
+def test_rows_of_every_arm_joining_and_leaving_give_target_only_output(engine, lean):
     """Requests of all arms and budgets arrive staggered (so rows join and leave mid-way) and
-    share steps; every output equals target-only greedy decoding of that prompt alone."""
+    share steps; every output equals target-only greedy decoding of that prompt alone
+    (`engine.generate`, transformers' own forward), through the lean runner and through
+    transformers' forward with the rows' attention."""
     tok, eng = engine
-    loop = StepLoop(eng, max_rows=6)
+    loop = StepLoop(eng, max_rows=6, lean=lean)
     results: dict[int, tuple] = {}
 
     def run(i, ids, arm, n):
-        results[i] = (ids, n, loop.submit(Job(ids, n, parse_arm(arm))))
+        results[i] = (ids, n, submit(loop, ids, n, arm))
 
     threads = []
     for i, (p, arm) in enumerate((p, a) for p in PROMPTS for a in ARMS):
@@ -53,7 +73,7 @@ def test_rows_of_every_arm_joining_and_leaving_give_target_only_output(engine):
     for t in threads:
         t.join(timeout=120)
     assert len(results) == len(PROMPTS) * len(ARMS)
-    assert loop.max_rows_seen == 6  # the batch was full at some point: rows shared steps
+    assert loop.batch.max_rows_seen == 6  # the batch was full at some point: rows shared steps
     for ids, n, res in results.values():
         ref = reference(eng, ids, n)
         assert (res.token_ids, res.finish_reason) == (ref.token_ids, ref.finish_reason), res.arm
@@ -69,9 +89,9 @@ def test_a_row_that_ends_on_its_first_token_and_a_one_token_budget(engine):
     first = reference(eng, ids, 1).token_ids[0]
     eos_eng = SpeculativeEngine(eng.target, eng.draft, [first])  # its first token is end-of-turn
     eos_loop = StepLoop(eos_eng, max_rows=4)
-    res = eos_loop.submit(Job(ids, 10, parse_arm("draft:4")))
+    res = submit(eos_loop, ids, 10, "draft:4")
     assert res.token_ids == [] and res.finish_reason == "stop"
-    one = loop.submit(Job(ids, 1, parse_arm("ngram:4")))
+    one = submit(loop, ids, 1, "ngram:4")
     assert one.token_ids == [first] and one.finish_reason == "length"
 
 
@@ -82,14 +102,14 @@ def test_cancel_before_joining_and_mid_way_and_on_tokens_stop(engine):
     gone = threading.Event()
     gone.set()
     with pytest.raises(Cancelled):
-        loop.submit(Job(ids, 8, parse_arm("draft:2"), cancel=gone))
+        submit(loop, ids, 8, "draft:2", cancel=gone)
     seen = []
 
     def stop_after_three(out):  # a stop string, as the serving layer decides it
         seen.append(len(out))
         return len(out) >= 3
 
-    res = loop.submit(Job(ids, 30, parse_arm("0"), on_tokens=stop_after_three))
+    res = submit(loop, ids, 30, "0", on_tokens=stop_after_three)
     assert res.finish_reason == "stop" and len(res.token_ids) == 3
     ref = reference(eng, ids, 3)
     assert res.token_ids == ref.token_ids
@@ -100,9 +120,9 @@ def test_a_failing_step_fails_its_rows_and_the_loop_goes_on(engine, monkeypatch)
     tok, eng = engine
     loop = StepLoop(eng, max_rows=2)
     ids = user_prompt_ids(tok, PROMPTS[1])
-    from pipeline.speculative import scheduler
+    from pipeline.speculative import batch
 
-    real = scheduler.target_scores
+    real = batch.target_scores
     calls = {"n": 0}
 
     def broken(*a, **k):
@@ -111,10 +131,10 @@ def test_a_failing_step_fails_its_rows_and_the_loop_goes_on(engine, monkeypatch)
             raise RuntimeError("injected step failure")
         return real(*a, **k)
 
-    monkeypatch.setattr(scheduler, "target_scores", broken)
+    monkeypatch.setattr(batch, "target_scores", broken)
     with pytest.raises(RuntimeError, match="injected"):
-        loop.submit(Job(ids, 5, parse_arm("0")))
-    res = loop.submit(Job(ids, 5, parse_arm("ngram:2")))
+        submit(loop, ids, 5, "0")
+    res = submit(loop, ids, 5, "ngram:2")
     assert res.token_ids == reference(eng, ids, 5).token_ids
 
 
@@ -122,12 +142,12 @@ def test_requests_that_cannot_join_are_refused_alone(engine):
     tok, eng = engine
     plain = SpeculativeEngine(eng.target, None, [tok.eos_token_id])
     loop = StepLoop(plain, max_rows=2)
-    with pytest.raises(ValueError, match="empty prompt"):
-        loop.submit(Job([], 4, parse_arm("0")))
-    with pytest.raises(ValueError, match="max_tokens"):
-        loop.submit(Job([1, 2], 0, parse_arm("0")))
-    with pytest.raises(ValueError, match="needs a draft"):
-        loop.submit(Job([1, 2], 4, parse_arm("draft:2")))
+    with pytest.raises(Refused, match="empty prompt"):
+        submit(loop, [], 4, "0")
+    with pytest.raises(Refused, match="max_tokens"):
+        submit(loop, [1, 2], 0, "0")
+    with pytest.raises(Refused, match="needs a draft"):
+        submit(loop, [1, 2], 4, "draft:2")
 
 
 def test_row_cache_rolls_back_one_row_without_touching_the_other(tiny_models):
@@ -158,6 +178,8 @@ def test_step_cost_shares_split_the_fixed_part_equally_and_tokens_by_row():
     cost = StepCost(a=1.0, b=0.0)
     assert cost.shares([1]) == [1.0]  # alone: the whole step
     assert cost.shares([1, 5]) == [0.5, 0.5]  # the prior: no per-token cost known yet
+    cost.observe(3, 0.07)
+    assert cost.coefficients() == (0.07, 0.0)  # one size seen: its mean time, nothing per token
     for fed, secs in [(1, 0.05), (5, 0.09), (2, 0.06), (9, 0.13), (4, 0.08)]:
         cost.observe(fed, secs)
     a, b = cost.coefficients()
@@ -165,3 +187,25 @@ def test_step_cost_shares_split_the_fixed_part_equally_and_tokens_by_row():
     plain, spec = cost.shares([1, 5])
     assert spec > plain and plain + spec == pytest.approx(1.0)
     assert plain == pytest.approx((0.02 + 0.01) / (0.04 + 0.06))
+
+
+def test_a_qwen3_pair_runs_the_loop_exactly(model_cache):
+    """The reference setup's architecture (q/k norms, tied embeddings), tiny: every arm through
+    the lean runner equals target-only greedy decoding by transformers' forward."""
+    from pipeline import models
+
+    t, d = models.resolve_pair("tiny:arch=qwen3,layers=2,hidden=64,seed=1", "cut:1", model_cache)
+    tok = models.load_tokenizer(t)
+    eng = SpeculativeEngine(
+        models.load_model(t, "float32", "cpu"), models.load_model(d, "float32", "cpu"),
+        [tok.eos_token_id],
+    )  # fmt: skip
+    loop = StepLoop(eng, max_rows=4)
+    for p in PROMPTS[:2]:
+        ids = user_prompt_ids(tok, p)
+        ref = reference(eng, ids, 20)
+        for arm in ("0", "draft:3", "ngram:2"):
+            assert submit(loop, ids, 20, arm).token_ids == ref.token_ids, arm
+    from pipeline.speculative.runner import LeanRunner
+
+    assert LeanRunner.supports(eng.target) and eng.target._phoenix_runner is not None

@@ -349,12 +349,12 @@ def test_target_requests_are_batched_with_identical_output(tiny_models):
             together = list(pool.map(lambda t: post(s, CHAT, chat_body(t, max_tokens=20)), texts))
         assert all(r.status_code == 200 for r in together)
         assert [r.json()["choices"][0]["message"]["content"] for r in together] == one_by_one
-    assert app.state.phoenix.core.batcher.max_rows > 1
+    assert app.state.phoenix.core.scheduler.batch.max_rows_seen > 1  # they shared steps
 
 
 def test_stop_strings_are_held_back_until_final(tiny_models):
     """A suffix that may grow into a stop string is not emitted until it is settled."""
-    from pipeline.serving import TextTracker
+    from pipeline.serving.text import TextTracker
 
     tok = tiny_models[0]
     ids = list(tok("abc STOP def", add_special_tokens=False)["input_ids"])
@@ -366,14 +366,23 @@ def test_stop_strings_are_held_back_until_final(tiny_models):
     assert not t.stopped and t.rest() == "ST"  # ended without the stop: the tail comes out
 
 
-def test_a_bad_row_is_refused_alone():
-    from pipeline.speculative.batch import TargetBatch
+def test_a_bad_row_is_refused_alone(tiny_models):
+    """A request that cannot join is refused before it joins; the loop serves the next one."""
+    from pipeline.serving.request import Refused, Request, fixed
 
-    with pytest.raises(ValueError, match="non-empty prompt"):
-        TargetBatch.check_row([], 4)
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        TargetBatch.check_row([1, 2], 0)
-    TargetBatch.check_row([1], 1)
+    core = tiny_core(tiny_models)
+    ids = core.text_prompt_ids("def add(a, b):")
+    for prompt, n, why in (
+        ([], 4, "empty prompt"),
+        (ids, 0, "max_tokens"),
+        (ids * 999, 4, "fills"),
+    ):
+        req = Request(prompt, n, fixed("0"))
+        core.submit(req)
+        with pytest.raises(Refused, match=why):
+            req.result(timeout=30)
+    assert core.generate(Request(ids, 3, fixed("draft:2")), timeout=30).result.output_tokens == 3
+    core.close()
 
 
 def test_metrics_count_what_the_requests_did(tiny_models, tmp_path):
@@ -421,16 +430,14 @@ def test_metrics_count_what_the_requests_did(tiny_models, tmp_path):
 
 def test_compiled_server_warms_before_health_and_bounds_context(tmp_path, monkeypatch):
     """engine.compile on (the eager backend: dynamo graphs and guards, no codegen), a 64-token
-    static cache, target only: /health turns 200 only once the step is compiled and warm, a
-    streamed request (the compiled engine) says what a plain one (the eager batcher) says, and a
-    request longer than the cache gets a 400 that names the limit. (Speculative arms compiled:
+    context, target only: /health turns 200 only once the loop's steps are compiled and warm,
+    a streamed request says what a plain one says (the same loop), and a request longer than
+    the context gets a 400 that names the limit. (Every arm compiled:
     tests/test_engine_compile.py.)"""
-    from pipeline import models
     from pipeline.config import load_config
-    from pipeline.serving import build_core
+    from pipeline.serving.core import build_core
     from pipeline.workspace import Workspace
 
-    monkeypatch.setenv(models.GQA_ENV, "1")  # what compile_engine sets stays in this test
     sets = ["engine.compile=true", "engine.backend=eager", "engine.max_context=64"]
     cfg = load_config("configs/ci.yaml", sets)
     cores = []
@@ -441,7 +448,7 @@ def test_compiled_server_warms_before_health_and_bounds_context(tmp_path, monkey
 
     with ServerThread(create_app(load)) as s:
         wait_http(s.url + "/health", timeout=120)
-        assert cores[0].engine.compiled and cores[0].max_context == 64
+        assert cores[0].compiled and cores[0].max_context == 64
 
         def ask(max_tokens=12, **extra):
             body = {"model": cfg.models.target, "messages": [{"role": "user", "content": "def"}],

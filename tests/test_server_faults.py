@@ -136,9 +136,13 @@ def test_generation_for_a_client_that_left_stops_at_the_next_round(slow_server, 
     before = valve.calls
     t0 = time.monotonic()
     leave(s.url, CHAT, body(stream=True, max_tokens=900, mode="fixed:0"))
-    while valve.calls == before and time.monotonic() - t0 < 5:  # it did start generating
+
+    def aborted() -> bool:  # counted when it left before joining the batch (nothing ran)
+        return 'finished_reason="abort"} 1.0' in requests.get(s.url + "/metrics", timeout=5).text
+
+    while valve.calls == before and not aborted() and time.monotonic() - t0 < 5:
         time.sleep(0.01)
-    assert valve.calls > before
+    assert valve.calls > before or aborted()  # the server had it: it started, or was dropped
     settle(s.url)
     # 900 tokens would take 900 passes (9 s or more); the job ended within a few rounds.
     assert valve.calls - before < 150 and time.monotonic() - t0 < 5
@@ -228,7 +232,7 @@ def _careless_client(url: str, until: float, seed: int, counts: dict, lock) -> N
 def test_soak_careless_clients_in_every_mode(tiny_models, seconds):
     """Several clients mixing every mode, streaming and not, hanging up before the first byte,
     mid-stream, or not reading. Afterwards every request succeeds, no slot is leaked, no
-    generation thread is left."""
+    row is left in the batch."""
     app = create_app(lambda: tiny_core(tiny_models, max_batch=4), queue_size=4)
     st = app.state.phoenix
     counts: dict = {}
@@ -245,10 +249,8 @@ def test_soak_careless_clients_in_every_mode(tiny_models, seconds):
         every_mode_serves(s.url)
         r = requests.post(s.url + CHAT, json=body(stream=True), stream=True, timeout=30)
         assert last_event(r) == b"data: [DONE]"
-        assert st.admission.count == 0 and not st.jobs
-        for t in [t for t in threading.enumerate() if t.name == "phoenix-gen"]:
-            t.join(timeout=5)  # a job hands its slot back just before its thread returns
-        assert not [t for t in threading.enumerate() if t.name == "phoenix-gen"]
+        assert st.admission.count == 0 and not st.inflight
+        assert st.core.scheduler.running == 0 and st.core.scheduler.waiting == 0  # no row left
     assert counts.get("before_first_byte") and counts.get("plain 200"), counts
 
 

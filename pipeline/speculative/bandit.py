@@ -48,10 +48,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Context:
-    """What the policy may condition on, known before a request runs."""
+    """What the policy may condition on, known before a request runs: the request, and the
+    batch it joins (the step loop's figures; None where there is no loop, e.g. a replay)."""
 
     prompt_tokens: int = 0
-    queue_depth: int = 0  # other requests admitted and waiting or running
+    queue_depth: int = 0  # other requests in the batch or waiting to join it
+    rows: int = 1  # rows in the batch once this one joins, itself included
+    step_cost: tuple[float, float] | None = None  # a target pass: a + b * tokens fed (s)
+    draft_cost: tuple[float, float] | None = None  # a draft pass: a + b * rows drafted for (s)
+    draft_rows: int = 0  # rows drafting with the draft model now (without this one)
 
 
 @dataclass(frozen=True)
@@ -335,6 +340,130 @@ class ContextualBandit(EpsilonGreedy):
         acc = {str(s): float(v) for s, v in state.get("recent_acceptance", {}).items()}
         with self._lock:
             self.cells, self.recent_acceptance = cells, acc
+
+
+class GoodputBandit(EpsilonGreedy):
+    """The arm with the best predicted goodput at the load the request joins (policy `goodput`).
+
+    Goodput is what a row commits per second of the batch's time it takes. For arm s:k at a
+    batch of n rows (the context's), with the step loop's cost fits (a target pass costs
+    a + b * tokens fed; a draft pass a_d + b_d * rows drafted for):
+
+        tokens(s:k) = 1 + sum_{i<k} P_s[i]       P_s[i]: share of s's rounds that could guess
+                                                  at position i whose guesses 1..i+1 were all
+                                                  accepted
+        fed(s:k)    = 1 + sum_{i<k} Q_s[i]       Q_s[i]: share of them that guessed there
+        cost(s:k)   = a / n + b * fed + [s = draft] * k * (a_d / n_d + b_d)
+        goodput     = tokens / cost              (arm 0: 1 / (a / n + b))
+
+    One client: a dominates and drafting pays as far as acceptance carries it; a full batch: b
+    dominates and every guess the target rejects costs as much as a token, so the policy drafts
+    less, then not at all. Acceptance is learnt per strategy and position from every request
+    (it does not depend on the load, nor on k for a greedy proposer), so what one client taught
+    holds at sixteen, with no exploration per load. The counts decay (`decay` per round) so a
+    drifting draft is followed. Warm-up and exploration are the plausible policy's: every arm in
+    turn, then with probability epsilon an arm whose prediction is within `explore_margin` of
+    the best (an arm predicted clearly slower at this load is never explored there). Without
+    the loop's figures in the context it falls back to the measured means (plausible policy)."""
+
+    def __init__(self, arms, rng, *args, explore_margin: float = 0.1, decay: float = 0.998, **kw):
+        super().__init__(arms, rng, *args, **kw)
+        self.explore_margin = explore_margin
+        self.decay = decay
+        self.top = max((int(str(a).partition(":")[2] or 0) for a in self.arms), default=0)
+        # strategy -> [rounds that could guess at position i..., proposed at i..., accepted at i...]
+        self.positions: dict[str, list[float]] = {}
+
+    def _stats(self, strategy: str) -> list[float]:
+        return self.positions.setdefault(strategy, [0.0] * (3 * self.top))
+
+    def predict(self, arm, context: Context | None) -> float | None:
+        """Predicted goodput (tokens/s) of `arm` at this context; None: not known yet."""
+        if context is None or context.step_cost is None:
+            return None
+        a, b = context.step_cost
+        n = max(1, context.rows)
+        s, k = strategy_of(arm), int(str(arm).partition(":")[2] or 0)
+        if not s or k == 0:
+            return 1.0 / max(a / n + b, 1e-9)
+        st = self.positions.get(s)
+        top = self.top
+        if st is None or any(st[i] <= 0 for i in range(min(k, top))):
+            return None  # a position this arm guesses at was never measured
+        elig, prop, acc = st[:top], st[top : 2 * top], st[2 * top :]
+        tokens = 1 + sum(acc[i] / elig[i] for i in range(k))
+        cost = a / n + b * (1 + sum(prop[i] / elig[i] for i in range(k)))
+        if s == "draft" and context.draft_cost is not None:
+            ad, bd = context.draft_cost
+            cost += k * (ad / (context.draft_rows + 1) + bd)
+        return tokens / max(cost, 1e-9)
+
+    def choose(self, context: Context | None = None) -> Decision:
+        if context is None or context.step_cost is None:
+            return super().choose(context)  # no loop figures: the measured means decide
+        with self._lock:
+            if (arm := self._warmup_arm()) is not None:
+                return self._decision(arm, True, True, 1.0, context)
+            values = {a: self.predict(a, context) for a in self.arms}
+            known = {a: v for a, v in values.items() if v is not None}  # arm 0 always is
+            eps = self.epsilon()
+            explored = self.rng.random() < eps
+            if explored:  # an unknown arm, or one within the margin of the best prediction
+                floor = (1 - self.explore_margin) * max(known.values())
+                arm = self.rng.choice(
+                    [a for a in self.arms if values[a] is None or values[a] >= floor]
+                )
+            else:
+                arm = max(known, key=lambda a: (known[a], -self.arms.index(a)))
+            self.t += 1
+            return self._decision(arm, explored, False, eps, context, values)
+
+    def _decision(self, arm, explored, warmup, eps, context=None, values=None) -> Decision:
+        shown = {a: v for a, v in (values or self.means).items() if v is not None}
+        return Decision(arm, explored, warmup, eps, shown, dict(self.counts))
+
+    def update(self, arm, reward, context=None, acceptance=None, weight=1.0, positions=None):
+        """As the plausible policy's, plus `positions`: (rounds, proposed per position,
+        accepted per position) of the request, which teach its strategy's acceptance."""
+        super().update(arm, reward, context, acceptance, weight)
+        s = strategy_of(arm)
+        if not s or positions is None:
+            return
+        rounds, prop, acc = positions
+        k = min(len(prop), self.top)
+        if rounds <= 0 or k == 0:
+            return
+        with self._lock:
+            st = self._stats(s)
+            keep = self.decay**rounds
+            for i in range(len(st)):
+                st[i] *= keep
+            top = self.top
+            for i in range(k):  # its rounds could guess at positions 0..k-1
+                st[i] += rounds
+                st[top + i] += prop[i]
+                st[2 * top + i] += acc[i]
+
+    def _forget_more(self, arms) -> None:
+        for s in {strategy_of(a) for a in arms}:
+            self.positions.pop(s, None)
+
+    def state(self) -> dict:
+        out = super().state()
+        with self._lock:
+            out["positions"] = {s: list(v) for s, v in self.positions.items()}
+        return out
+
+    def load_state(self, state: dict) -> None:
+        super().load_state(state)
+        width = 3 * self.top
+        positions = {
+            str(s): [float(x) for x in v]
+            for s, v in state.get("positions", {}).items()
+            if len(v) == width
+        }
+        with self._lock:
+            self.positions = positions
 
 
 @dataclass

@@ -1,9 +1,26 @@
-"""Target-only greedy decoding of a changing set of rows in one padded batch: continuous
-batching, as the local teacher and the server's plain requests use it.
+"""Continuous batching for every arm: the rows running together, and one step over all of them.
 
-Rows are left-padded into one growing `DynamicCache` (`mask` marks the real positions); new rows
-are prefilled apart and merged in at a step boundary, finished rows leave at once. Output is each
-row's target-only greedy output (tested against `SpeculativeEngine.generate` at arm 0).
+Pure: token ids and models in, ids and counts out; no threads, no clock but `perf_counter` for
+the figures it returns. The serving scheduler (`serving/scheduler.py`) owns one `RowBatch` and
+calls `join`, `step` and `leave` from its one thread.
+
+A row is one request: its prompt, budget and arm (0, draft:K, ngram:K). Rows join between steps
+(`join`: their prompts prefilled, batched among the joiners, into per-row caches, `rows.RowCache`)
+and leave when they finish, are cancelled or fail. One step:
+  1. proposals, each row by its own arm: the rows drafting with the draft model step together,
+     one batched draft pass per draft position (a row drops out once it has its k guesses);
+     n-gram rows by lookup; plain rows none;
+  2. one target pass over every row's `[last, d1..dk]` (ragged: each row its own length, 0
+     guesses included);
+  3. each row's acceptance (the longest prefix the target agrees with, plus the target's own
+     next token) and its own cache rollback. Every committed token is the target's greedy
+     choice, so each row's output is its target-only greedy output, whatever ran beside it.
+
+Cost: a step's time is split among its rows (`StepCost`: time = a + b * tokens fed, fitted
+online; a row's share = a / rows + b * its tokens, scaled so the shares sum to the step). A
+draft pass is split equally among the rows it drafted for. A row's `cost_s` is its prefill plus
+its shares: `tokens / cost_s` is what its arm cost the batch (the policy's reward, goodput).
+With one row the share is the whole step: tokens/s as a lone request sees them.
 """
 
 from __future__ import annotations
@@ -12,192 +29,321 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
-
+from .arms import Arm
 from .engine import GenerationResult, SpeculativeEngine
+from .proposers import NgramProposer
+from .rows import RowCache, draft_next, prefill, target_scores
+from .runner import prepare
 
 
-@dataclass
-class _Row:
-    """One request in a `TargetBatch`: the caller's key, its budget, and its output so far."""
+class StepCost:
+    """Step time = a + b * n, fitted by exponentially weighted least squares over the steps
+    seen (`n`: tokens fed, or rows drafted for); the prior until they vary. Pure."""
 
-    key: object
-    max_new_tokens: int
-    prompt_tokens: int
+    def __init__(self, a: float = 1.0, b: float = 0.0, decay: float = 0.995):
+        self.prior = (a, b)
+        self.decay = decay
+        self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def observe(self, n: int, seconds: float) -> None:
+        d = self.decay
+        self.sw = d * self.sw + 1
+        self.sx = d * self.sx + n
+        self.sy = d * self.sy + seconds
+        self.sxx = d * self.sxx + n * n
+        self.sxy = d * self.sxy + n * seconds
+
+    @property
+    def seen(self) -> bool:
+        return self.sw > 0
+
+    def coefficients(self) -> tuple[float, float]:
+        """(a, b). Until the steps seen vary in size: their mean time as a, b = 0."""
+        var = self.sw * self.sxx - self.sx * self.sx
+        if self.sw >= 4 and var > 1e-9 * max(1.0, self.sw * self.sxx):
+            b = (self.sw * self.sxy - self.sx * self.sy) / var
+            a = (self.sy - b * self.sx) / self.sw
+            if a > 0 and b >= 0:
+                return a, b
+        return (self.sy / self.sw, 0.0) if self.sw > 0 else self.prior
+
+    def shares(self, fed: Sequence[int]) -> list[float]:
+        """Each row's fraction of a step that fed these token counts (they sum to 1)."""
+        a, b = self.coefficients()
+        n = len(fed)
+        parts = [a / n + b * f for f in fed]
+        total = sum(parts)
+        return [p / total for p in parts] if total > 0 else [1 / n] * n
+
+
+@dataclass(eq=False)
+class Row:
+    """One request in the batch: what it asked for, where its caches are, what it has done."""
+
+    key: object  # the caller's handle, returned with the row
+    prompt: list[int]
+    max_tokens: int
+    arm: Arm
+    epoch: int  # the batch's draft epoch when it joined
     start: float
+    tslot: int
+    dslot: int | None = None
+    ngram: NgramProposer | None = None
+    seq: list[int] = field(default_factory=list)  # prompt + committed output
     out: list[int] = field(default_factory=list)
-    first_at: float | None = None
+    drafts: list[int] = field(default_factory=list)
+    k_eff: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    proposed_pos: list[int] = field(default_factory=list)
+    accepted_pos: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    cost_s: float = 0.0
+    first_s: float | None = None
+    rows_seen: int = 0  # the sum, over its steps, of the rows in the step (its mean batch size)
+
+    def result(self, reason: str, queued_s: float = 0.0) -> GenerationResult:
+        return GenerationResult(
+            token_ids=self.out,
+            arm=str(self.arm),
+            finish_reason=reason,
+            latency_s=time.perf_counter() - self.start,
+            draft_s=self.draft_s,
+            verify_s=self.verify_s,
+            prompt_tokens=len(self.prompt),
+            proposed=self.proposed,
+            accepted=self.accepted,
+            rounds=self.rounds,
+            proposed_per_position=self.proposed_pos,
+            accepted_per_position=self.accepted_pos,
+            first_token_s=self.first_s,
+            cost_s=self.cost_s,
+            queued_s=queued_s,
+            batch_rows=self.rows_seen / self.rounds if self.rounds else 1.0,
+        )
 
 
-class TargetBatch:
-    """Target-only greedy decoding of a changing set of rows: the batching local teacher.
+class RowBatch:
+    """The rows running together over one engine's models (module docstring). At most
+    `max_rows` rows, each at most `limit` tokens of prompt + output (default: the models'
+    context, else 4096: the caches grow to it); not thread-safe (one caller: the scheduler)."""
 
-    `add` prefills new rows (left-padded) and merges them into the running batch at a step
-    boundary; `step` commits one token per row and returns the rows that finished, which leave
-    the batch at once (on a CPU a step costs about in proportion to its rows). So requests that
-    arrive while a batch runs join it instead of waiting for its longest answer. Invariant between
-    calls: `mask` is as wide as the cache, and `logits` holds each row's next-token scores."""
-
-    def __init__(self, engine: SpeculativeEngine):
+    def __init__(
+        self, engine: SpeculativeEngine, max_rows: int = 16, limit: int | None = None,
+        lean: bool = True,
+    ):  # fmt: skip
+        """`lean`: run Llama-family models through their lean runner (`runner.py`); False:
+        transformers' own forward for every model (the same output)."""
         self.engine = engine
-        self.model = engine.target
-        self.cache: DynamicCache | None = None
-        self.mask: torch.Tensor | None = None
-        self.logits: torch.Tensor | None = None
-        self.rows: list[_Row] = []
+        self.lean = lean
+        self.max_rows = max(1, max_rows)
+        model_limit = engine.max_context or 4096
+        self.limit = min(limit, model_limit) if limit else model_limit
+        self.cost = StepCost()  # the target pass: time against tokens fed
+        self.draft_cost = StepCost()  # one draft pass: time against rows drafted for
+        self.rows: list[Row] = []
+        self.epoch = 0  # bumped by each `set_engine` (a new draft)
+        self.steps = 0
+        self.max_rows_seen = 0
+        self._tcache: RowCache | None = None
+        self._dcache: RowCache | None = None
 
     @property
-    def active(self) -> int:
-        return len(self.rows)
+    def room(self) -> int:
+        return self.max_rows - len(self.rows)
 
-    def keys(self) -> list:
-        return [row.key for row in self.rows]
+    def check(self, prompt: Sequence[int], max_tokens: int, arm: Arm) -> None:
+        """Refuse a request that cannot join (alone, before it joins): ValueError naming why."""
+        if not prompt:
+            raise ValueError("empty prompt")
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if len(prompt) >= self.limit:
+            raise ValueError(f"prompt of {len(prompt)} tokens fills the {self.limit}-token context")
+        if arm.needs_draft and self.engine.drafter is None:
+            raise ValueError(f"arm {arm} needs a draft model; this engine has none")
 
-    def drop(self, predicate: Callable[[object], bool]) -> list:
-        """Remove the rows whose key satisfies `predicate` (callers that left); returns their
-        keys. The other rows go on unchanged."""
-        flags = [predicate(row.key) for row in self.rows]  # once: a flag may flip meanwhile
-        gone = [row.key for row, f in zip(self.rows, flags, strict=True) if f]
-        if gone:
-            self._select([i for i, f in enumerate(flags) if not f])
-        return gone
+    def _caches(self) -> tuple[RowCache, RowCache | None]:
+        if self._tcache is None:
+            prepare(self.engine.target, self.limit, self.lean)
+            self._tcache = RowCache(self.engine.target, self.max_rows, self.limit)
+        if self._dcache is None and self.engine.drafter is not None:
+            prepare(self.engine.drafter.model, self.limit, self.lean)
+            self._dcache = RowCache(self.engine.drafter.model, self.max_rows, self.limit)
+        return self._tcache, self._dcache
 
-    def _select(self, keep: list[int]) -> None:
-        """Keep only the rows at `keep` (cache, mask, scores and bookkeeping alike)."""
-        self.rows = [self.rows[i] for i in keep]
-        if not keep:
-            self.cache = self.mask = self.logits = None
-            return
-        sel = torch.tensor(keep, device=self.engine.device)
-        self.cache.batch_select_indices(sel)
-        self.mask = self.mask[sel]
-        self.logits = self.logits[sel]
+    def set_engine(self, engine: SpeculativeEngine) -> None:
+        """A new draft over the same target, from the next step on: its cache starts empty and
+        every draft row catches up on its next proposal (its output stays exact)."""
+        if engine.target is not self.engine.target:
+            raise ValueError("set_engine: another target (only the draft may change)")
+        self.engine = engine
+        self.epoch += 1
+        self._dcache = None
+        _, dc = self._caches()
+        for r in self.rows:
+            if r.dslot is not None:
+                r.dslot = dc.alloc() if dc is not None else None
 
-    @staticmethod
-    def check_row(prompt_ids: Sequence[int], max_new_tokens: int) -> None:
-        if not prompt_ids or max_new_tokens < 1:
-            raise ValueError("a row needs a non-empty prompt and max_new_tokens >= 1")
+    def reset(self) -> list[Row]:
+        """Drop every row and both caches (after a step failed); returns the rows dropped."""
+        rows, self.rows = self.rows, []
+        self._tcache = self._dcache = None
+        return rows
 
-    @property
-    def joinable(self) -> bool:
-        """Whether rows can join now: an empty batch, or plain growing caches (a sliding-window
-        cache could not be left-padded)."""
-        return self.cache is None or all(type(x) is DynamicLayer for x in self.cache.layers)
-
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache):
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return out.logits[:, -1]
-
-    @torch.inference_mode()
-    def add(self, items: Sequence[tuple[object, tuple[Sequence[int], int]]]) -> None:
-        """Add rows `(key, (prompt_ids, max_new_tokens))`; keys come back from `step`."""
-        if not items:
-            return
-        for _, (p, n) in items:
-            self.check_row(p, n)
-        dev = self.engine.device
+    def join(self, items: Sequence[tuple[object, Sequence[int], int, Arm]]) -> list[Row]:
+        """Add rows `(key, prompt, max_tokens, arm)` (at most `room`; each `check`ed first):
+        their prompts prefilled, one batched pass per model. If the prefill fails, the joiners
+        are released and the error raised; the rows already running are untouched."""
+        if len(items) > self.room:
+            raise ValueError(f"{len(items)} rows do not fit: {self.room} free of {self.max_rows}")
+        tc, dc = self._caches()
         now = time.perf_counter()
-        prompts = [list(p) for _, (p, _) in items]
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.engine.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        cache = DynamicCache(config=self.model.config)
-        logits = self._forward(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0), cache)
-        rows = [_Row(key, n, len(p), now) for (key, (p, n)) in items]
-        if not self.rows:
-            self.cache, self.mask, self.logits, self.rows = cache, mask, logits, rows
-            return
-        if not self.joinable:
-            raise ValueError("this model's cache cannot take rows into a running batch")
-        width = max(self.mask.shape[1], mask.shape[1])
-        self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(mask, width)])
-        for old, new in zip(self.cache.layers, cache.layers, strict=True):
-            old.keys = torch.cat([_left_pad(old.keys, width), _left_pad(new.keys, width)])
-            old.values = torch.cat([_left_pad(old.values, width), _left_pad(new.values, width)])
-        self.logits = torch.cat([self.logits, logits])
-        self.rows += rows
-
-    @torch.inference_mode()
-    def step(self) -> list[tuple[object, GenerationResult]]:
-        """Commit one token to every row; returns `(key, result)` for the rows that finished."""
-        if not self.rows:
-            return []
-        eos = self.engine.eos_token_ids
-        nxt = self.logits.argmax(-1).tolist()
-        keep, finished = [], []
-        for i, row in enumerate(self.rows):
-            if nxt[i] in eos:
-                finished.append((row, "stop"))
-                continue
-            row.out.append(nxt[i])
-            if row.first_at is None:
-                row.first_at = time.perf_counter()
-            if len(row.out) < row.max_new_tokens:
-                keep.append(i)
-            else:
-                finished.append((row, "length"))
-        now = time.perf_counter()
-        results = [
-            (
-                row.key,
-                GenerationResult(
-                    token_ids=row.out,
-                    arm="0",
-                    finish_reason=reason,
-                    latency_s=now - row.start,
-                    draft_s=0.0,
-                    verify_s=now - row.start,
-                    prompt_tokens=row.prompt_tokens,
-                    rounds=len(row.out),
-                    first_token_s=row.first_at - row.start if row.first_at else None,
-                ),
+        joined = []
+        for key, prompt, max_tokens, arm in items:
+            drafting = arm.needs_draft and dc is not None
+            joined.append(
+                Row(
+                    key=key,
+                    prompt=list(prompt),
+                    max_tokens=max_tokens,
+                    arm=arm,
+                    epoch=self.epoch,
+                    start=now,
+                    tslot=tc.alloc(),
+                    dslot=dc.alloc() if drafting else None,
+                    ngram=NgramProposer() if arm.strategy == "ngram" and arm.k > 0 else None,
+                    seq=list(prompt),
+                    proposed_pos=[0] * arm.k,
+                    accepted_pos=[0] * arm.k,
+                )
             )
-            for row, reason in finished
-        ]
-        if len(keep) < len(self.rows):
-            self._select(keep)
-            if not keep:
-                return results
-        dev = self.engine.device
-        step = torch.tensor([[nxt[i]] for i in keep], dtype=torch.long, device=dev)
-        self.mask = torch.cat([self.mask, self.mask.new_ones((len(keep), 1))], dim=1)
-        self.logits = self._forward(
-            step, self.mask, self.mask.sum(-1, keepdim=True) - 1, self.cache
-        )
-        return results
+        self.rows += joined
+        pad = self.engine.pad_token_id
+        drafting = [r for r in joined if r.dslot is not None]
+        try:
+            t0 = time.perf_counter()
+            prefill(self.engine.target, tc, [r.tslot for r in joined],
+                    [r.seq[:-1] for r in joined], pad)  # fmt: skip
+            t1 = time.perf_counter()
+            if drafting:
+                prefill(self.engine.drafter.model, dc, [r.dslot for r in drafting],
+                        [r.seq[:-1] for r in drafting], pad)  # fmt: skip
+            t2 = time.perf_counter()
+        except Exception:
+            for r in joined:
+                self.leave(r)
+            raise
+        sizes = [max(1, len(r.seq) - 1) for r in joined]
+        for r, n in zip(joined, sizes, strict=True):  # each joiner pays for its own prompt
+            r.verify_s += (t1 - t0) * n / sum(sizes)
+            r.cost_s += (t1 - t0) * n / sum(sizes)
+        for r in drafting:
+            r.draft_s += (t2 - t1) / len(drafting)
+            r.cost_s += (t2 - t1) / len(drafting)
+        self.max_rows_seen = max(self.max_rows_seen, len(self.rows))
+        return joined
 
+    def leave(self, row: Row) -> None:
+        """Take a row out (finished, cancelled): its slots freed, the last rows moved in."""
+        tc, dc = self._caches()
+        moved = tc.release(row.tslot)
+        if moved is not None:
+            next(r for r in self.rows if r.tslot == moved).tslot = row.tslot
+        if row.dslot is not None and dc is not None:
+            moved = dc.release(row.dslot)
+            if moved is not None:
+                next(r for r in self.rows if r.dslot == moved).dslot = row.dslot
+        self.rows.remove(row)
 
-def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    """Zero-pad dim 1 (a mask) or dim -2 (cached keys/values) on the left to `width`."""
-    dim = 1 if t.dim() == 2 else -2
-    extra = width - t.shape[dim]
-    if extra <= 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = extra
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
+    def step(self, on_tokens: Callable[[Row], bool] | None = None) -> list[tuple[Row, str]]:
+        """One step over every row. `on_tokens(row)` runs for each row that committed tokens;
+        True ends it (a stop string, a caller gone). Returns `(row, finish_reason)` for the rows
+        that finished ("stop": end-of-turn or `on_tokens`; "length": budget or context), which
+        have left the batch. After an exception the caller fails every row (`reset`)."""
+        rows = list(self.rows)
+        for r in rows:
+            k = min(r.arm.k, r.max_tokens - len(r.out) - 1, self.limit - len(r.seq) - 1)
+            r.k_eff, r.drafts = max(0, k), []
+        # 1. proposals
+        for r in rows:
+            if r.ngram is not None and r.k_eff > 0:
+                r.drafts = r.ngram.propose(r.seq, r.k_eff)[: r.k_eff]
+        self._draft([r for r in rows if r.dslot is not None and r.k_eff > 0])
+        # 2. one target pass over every row
+        tc, dc = self._caches()
+        feeds = [[r.seq[-1], *r.drafts] for r in rows]
+        t1 = time.perf_counter()
+        preds = target_scores(self.engine.target, tc, [r.tslot for r in rows], feeds,
+                              self.engine.pad_token_id)  # fmt: skip
+        t2 = time.perf_counter()
+        fed = [len(f) for f in feeds]
+        self.cost.observe(sum(fed), t2 - t1)
+        shares = self.cost.shares(fed)
+        self.steps += 1
+        # 3. acceptance and rollback, row by row
+        eos = self.engine.eos_token_ids
+        finished = []
+        for r, p, share in zip(rows, preds, shares, strict=True):
+            r.verify_s += (t2 - t1) * share
+            r.cost_s += (t2 - t1) * share
+            r.rows_seen += len(rows)
+            d = r.drafts
+            m = 0
+            while m < len(d) and d[m] == p[m]:
+                m += 1
+            new = d[:m] + [p[m]]
+            r.rounds += 1
+            r.proposed += len(d)
+            r.accepted += m
+            for i in range(len(d)):
+                r.proposed_pos[i] += 1
+                r.accepted_pos[i] += i < m
+            tc.crop(r.tslot, len(r.seq) + m)
+            if r.dslot is not None and dc is not None:
+                dc.crop(r.dslot, len(r.seq) + m)
+            hit_eos = False
+            for i, tok in enumerate(new):
+                if tok in eos:
+                    new, hit_eos = new[:i], True
+                    break
+            r.seq += new
+            r.out += new
+            if r.first_s is None:
+                r.first_s = t2 - r.start
+            stop = bool(new) and on_tokens is not None and on_tokens(r)
+            if hit_eos or stop:
+                finished.append((r, "stop"))
+            elif len(r.out) >= r.max_tokens or len(r.seq) >= self.limit:
+                finished.append((r, "length"))
+        for r, _ in finished:
+            self.leave(r)
+        return finished
 
-
-def generate_batch(
-    engine: SpeculativeEngine, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int]
-) -> list[GenerationResult]:
-    """Target-only greedy generation of several prompts as one batch; results in prompt order."""
-    batch = TargetBatch(engine)
-    batch.add(list(enumerate(zip(prompts, max_new_tokens, strict=True))))
-    done: dict = {}
-    while batch.active:
-        done.update(batch.step())
-    return [done[i] for i in range(len(prompts))]
+    def _draft(self, rows: list[Row]) -> None:
+        """The draft model's guesses for `rows`: one batched pass per draft position, each row
+        until it has its own k_eff guesses (the first pass also catches each row up on what
+        was committed since its last turn)."""
+        if not rows:
+            return
+        _, dc = self._caches()
+        drafter = self.engine.drafter
+        head, ids = drafter.step.args
+        pad = self.engine.pad_token_id
+        active = rows
+        feeds = [r.seq[dc.lengths[r.dslot] :] for r in rows]
+        i = 0
+        while active:
+            t0 = time.perf_counter()
+            toks = draft_next(drafter.model, dc, [r.dslot for r in active], feeds, pad, head, ids)
+            dt = time.perf_counter() - t0
+            self.draft_cost.observe(len(active), dt)
+            for r, t in zip(active, toks, strict=True):
+                r.drafts.append(t)
+                r.draft_s += dt / len(active)
+                r.cost_s += dt / len(active)
+            i += 1
+            active = [r for r in active if r.k_eff > i]
+            feeds = [[r.drafts[-1]] for r in active]

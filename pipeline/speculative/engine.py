@@ -48,6 +48,7 @@ class GenerationResult:
     first_token_s: float | None = None  # from the start to the first committed token
     cost_s: float | None = None  # the step loop: its prefill plus its shares of the steps
     queued_s: float = 0.0  # the step loop: from submission to joining
+    batch_rows: float = 1.0  # the step loop: the mean number of rows in its steps
 
     @property
     def output_tokens(self) -> int:

@@ -1,35 +1,91 @@
-"""Per-row KV caches that diverge: the representation the step loop (`scheduler.py`) runs on.
+"""Per-row KV caches that diverge, and one flattened forward over many rows: the representation
+the step loop (`batch.py`) runs on.
 
-Representation: **per-row positions in one padded cache**. Every layer keeps one key and one
-value tensor of shape `[rows, kv_heads, capacity, head_dim]`; a request owns one row (a slot)
-and its valid positions are always the prefix `[0, length)` of that row. A forward feeds every
-row its own tokens at its own offset (`length .. length + n`), right-padded to the longest feed
-of the batch: the keys and values of the fed tokens are scattered into each row at its own
-positions, and a 4-D mask lets feed token j of row b see columns `<= length_b + j` only (its
-own prefix; nothing of another row, nothing stale). Rows accept different numbers of tokens, so
-after a verify each row just sets its own length back (`crop`): the rejected guesses' entries
-stay where they are, invisible, and the next feed overwrites them. Nothing moves on a rollback.
+Cache: **per-row positions in one padded cache**. Every layer keeps one key and one value tensor
+of shape `[rows, kv_heads, capacity, head_dim]`; a request owns one row (a slot) and its valid
+positions are always the prefix `[0, length)` of that row. Rows accept different numbers of
+tokens, so after a verify each row just sets its own length back (`crop`): the rejected guesses'
+entries stay where they are, invisible, and the next feed overwrites them. Nothing moves on a
+rollback. Slots stay packed (`0 .. used-1`): when a row leaves, the last row is copied into its
+slot (its valid prefix, every layer), so a forward over all rows reads plain views.
 
-Slots stay packed (`0 .. used-1`): when a row leaves, the last row is copied into its slot (one
-row's valid prefix, every layer), so a forward over all rows reads plain views of the tensors.
-A forward over some rows only (the draft rows still drafting at a later position) gathers them.
+Forward: **flattened, as vLLM's**. The rows' feeds (each its own length: a plain row 1 token, a
+verify k+1, a joiner its prompt) are concatenated into one sequence of T tokens, each with its
+own position, so the linear layers (nearly all of the cost) run on exactly T rows, with no
+padding for ragged feeds. Only attention sees rows: `rows_attention`, registered with
+transformers as the attention implementation "phoenix_rows", scatters each token's key and
+value into its row at its position, lays the queries out as `[rows, longest feed]`, and attends
+each row over its own prefix (a mask lets feed token j of row b see columns `<= length_b + j`),
+with grouped-query heads folded into the query length so keys and values are never copied per
+head. A model run without a plan (`engine.generate`, training) attends with SDPA as before.
 
 Memory: `2 x layers x rows x kv_heads x capacity x head_dim` numbers per model. Capacity grows
-by doubling (a copy) up to the engine's context limit plus a small pad for the ragged feed; on
-the embedded default (SmolLM2-135M: 30 layers, 3 kv heads of 64, fp32) a position costs 46 KB per
-row, so 16 rows at 512 positions hold 377 MB, the 6-layer draft a fifth of that. Attention reads
-each row's columns up to the longest row of the step (`width`), not the whole capacity.
+by doubling (a copy) up to the engine's context limit; on the embedded default (SmolLM2-135M:
+30 layers, 3 kv heads of 64, fp32) a position costs 46 KB per row, so 16 rows at 512 positions
+hold 377 MB, the 6-layer draft a fifth of that (bf16: half). Attention reads each row's columns
+up to the longest row of the step (`width`), not the whole capacity.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-FEED_PAD = 16  # capacity beyond the context limit: the padding of a ragged feed writes there
+ATTENTION = "phoenix_rows"
+
+
+@dataclass
+class Plan:
+    """One flattened forward: which row and position each fed token has, and the layout the
+    attention uses. Built by `RowCache.plan`; shared by every layer of the forward."""
+
+    slots: torch.Tensor  # [R] the rows fed, in order
+    token_slot: torch.Tensor  # [T] each token's row (cache slot)
+    positions: torch.Tensor  # [T] each token's position in its row
+    flat: torch.Tensor  # [T] each token's place in the [R * longest] query layout
+    mask: torch.Tensor  # [R, 1, groups * longest, width] additive, grouped-query heads folded
+    longest: int
+    width: int
+    view: tuple[int, int] | None  # (first slot, count) when the rows are contiguous slots
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: Plan, scale: float):
+    """Each fed token attends over its own row's prefix. `q`: [T, heads, head_dim]; `keys`,
+    `values`: the fed rows' caches, [R, kv_heads, width, head_dim]. Returns [T, heads,
+    head_dim]. The queries are laid out as [rows, longest feed] with grouped-query heads folded
+    into the query length, so one SDPA call serves every row and no key is copied per head."""
+    t, heads, d = q.shape
+    r, kv, width, _ = keys.shape
+    groups, longest = heads // kv, plan.longest
+    padded = q.new_zeros(r * longest, heads, d)
+    padded[plan.flat] = q
+    # [R, longest, kv, groups, d] -> [R, kv, groups * longest, d]: one kv head's query rows
+    q = padded.view(r, longest, kv, groups, d).permute(0, 2, 3, 1, 4).reshape(r, kv, -1, d)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.mask, scale=scale)
+    out = out.view(r, kv, groups, longest, d).permute(0, 3, 1, 2, 4).reshape(r * longest, heads, d)
+    return out[plan.flat]
+
+
+def rows_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+    """`attend` as a transformers attention implementation (module docstring). `query`: [1,
+    heads, T, head_dim]; `key`, `value`: what `RowCache.update` returned. Returns [1, T, heads,
+    head_dim]. Without a plan (a plain forward of the same model): SDPA."""
+    plan: Plan | None = kw.pop("phoenix_plan", None)
+    if plan is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout,
+                                      scaling, **kw)  # fmt: skip
+    return attend(query[0].transpose(0, 1), key, value, plan, scaling).unsqueeze(0), None
+
+
+AttentionInterface.register(ATTENTION, rows_attention)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # a plain forward's mask: SDPA's
 
 
 class RowCache(Cache):
@@ -41,21 +97,19 @@ class RowCache(Cache):
         c = model.config
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.kv_heads = c.num_key_value_heads
+        self.groups = c.num_attention_heads // c.num_key_value_heads
         self.n_layers = c.num_hidden_layers
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.rows = rows
-        self.limit = limit + FEED_PAD
+        self.limit = limit
         self.capacity = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self._grow(min(capacity, self.limit))
         self.lengths = [0] * rows  # valid positions per slot
         self.used = 0  # slots 0..used-1 hold rows
-        self._index: torch.Tensor | None = None  # bound for one forward: slots fed
-        self._pos: torch.Tensor | None = None  # [B, F] positions written
-        self._view: tuple[int, int] | None = None  # (first slot, count) when contiguous
-        self._width = 0
+        self._plan: Plan | None = None  # bound for one forward
 
     # -- slots ----------------------------------------------------------------------------------
     def alloc(self) -> int:
@@ -103,44 +157,63 @@ class RowCache(Cache):
         self.capacity = capacity
 
     # -- one forward ----------------------------------------------------------------------------
-    def bind(self, slots: Sequence[int], feed_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prepare a forward feeding `feed_len` positions (padded) to each of `slots` at its own
-        length. Returns (position ids [B, F], additive mask [B, 1, F, width])."""
-        starts = torch.tensor([self.lengths[s] for s in slots], device=self.device)
-        width = int(starts.max()) + feed_len
+    def plan(self, slots: Sequence[int], feeds: Sequence[Sequence[int]]) -> Plan:
+        """Bind a flattened forward that feeds each of `slots` its tokens at its own length."""
+        dev = self.device
+        starts = [self.lengths[s] for s in slots]
+        sizes = [len(f) for f in feeds]
+        longest = max(sizes)
+        width = max(s + n for s, n in zip(starts, sizes, strict=True))
         if width > self.limit:
             raise ValueError(f"a row would pass the cache's {self.limit} positions")
         if width > self.capacity:
             self._grow(max(width, 2 * self.capacity))
-        pos = starts[:, None] + torch.arange(feed_len, device=self.device)
-        cols = torch.arange(width, device=self.device)
-        allowed = cols[None, None, :] <= pos[:, :, None]
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        token_row = torch.repeat_interleave(torch.arange(len(slots)), torch.tensor(sizes))
+        offset = torch.cat([torch.arange(n) for n in sizes])
+        positions = torch.tensor(starts)[token_row] + offset
+        # Feed token j of row b sees its row's columns <= start_b + j (nothing of another row).
+        last = torch.tensor(starts)[:, None] + torch.arange(longest)  # [R, longest]
+        allowed = torch.arange(width)[None, None, :] <= last[:, :, None]  # [R, longest, width]
+        mask = torch.zeros(allowed.shape, dtype=self.dtype)
         mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        mask = mask[:, None].expand(-1, self.groups, -1, -1).reshape(len(slots), 1, -1, width)
         first = slots[0]
         contiguous = list(slots) == list(range(first, first + len(slots)))
-        self._view = (first, len(slots)) if contiguous else None
-        self._index = torch.tensor(list(slots), device=self.device)
-        self._pos, self._width = pos, width
-        return pos, mask[:, None]
+        self._plan = Plan(
+            slots=torch.tensor(list(slots), device=dev),
+            token_slot=torch.tensor(list(slots))[token_row].to(dev),
+            positions=positions.to(dev),
+            flat=(token_row * longest + offset).to(dev),
+            mask=mask.to(dev),
+            longest=longest,
+            width=width,
+            view=(first, len(slots)) if contiguous else None,
+        )
+        return self._plan
 
     def advance(self, slots: Sequence[int], fed: Sequence[int]) -> None:
-        """After the forward: each row now holds its real fed tokens (padding excluded)."""
+        """After the forward: each row now holds its fed tokens."""
         for s, n in zip(slots, fed, strict=True):
             self.lengths[s] += n
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        k, v = self.keys[layer_idx], self.values[layer_idx]
-        idx = self._index[:, None]
-        k[idx, :, self._pos] = key_states.transpose(1, 2).to(k.dtype)
-        v[idx, :, self._pos] = value_states.transpose(1, 2).to(v.dtype)
-        w = self._width
-        if self._view is not None:
-            a, n = self._view
-            return k[a : a + n, :, :w], v[a : a + n, :, :w]
-        return k.index_select(0, self._index)[:, :, :w], v.index_select(0, self._index)[:, :, :w]
+        """transformers' cache call: `write` of [1, kv_heads, T, head_dim] states."""
+        return self.write(layer_idx, key_states[0].transpose(0, 1), value_states[0].transpose(0, 1))
 
-    # Asked by some model code; the 4-D mask and explicit positions make the rest unused.
+    def write(self, layer_idx: int, k_new: torch.Tensor, v_new: torch.Tensor):
+        """Write the fed tokens' keys and values ([T, kv_heads, head_dim]) into their rows;
+        return the fed rows' caches up to the step's width ([R, kv_heads, width, head_dim])."""
+        p = self._plan
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        k[p.token_slot, :, p.positions] = k_new.to(k.dtype)
+        v[p.token_slot, :, p.positions] = v_new.to(v.dtype)
+        w = p.width
+        if p.view is not None:
+            a, n = p.view
+            return k[a : a + n, :, :w], v[a : a + n, :, :w]
+        return k.index_select(0, p.slots)[:, :, :w], v.index_select(0, p.slots)[:, :, :w]
+
+    # Asked by some model code; the explicit positions and the plan make the rest unused.
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.lengths[: self.used], default=0)
 
@@ -149,45 +222,59 @@ class RowCache(Cache):
         return False
 
 
-def pad_feeds(feeds: Sequence[Sequence[int]], pad_id: int, device) -> torch.Tensor:
-    width = max(len(f) for f in feeds)
-    ids = torch.full((len(feeds), width), pad_id, dtype=torch.long)
-    for i, f in enumerate(feeds):
-        ids[i, : len(f)] = torch.tensor(list(f), dtype=torch.long)
-    return ids.to(device)
+def _flat(feeds: Sequence[Sequence[int]], device) -> torch.Tensor:
+    return torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=device)
+
+
+def _hidden(model, cache: RowCache, slots, feeds) -> torch.Tensor:
+    """One flattened forward over the rows: the final hidden states of every fed token
+    [T, hidden], through the model's lean runner (`runner.py`) when it has one, else through
+    transformers' forward with `rows_attention`. The cache advances."""
+    plan = cache.plan(slots, feeds)
+    ids = _flat(feeds, cache.device)
+    runner = getattr(model, "_phoenix_runner", None)
+    if runner is not None:
+        hidden = runner.hidden(ids, cache, plan)
+    else:
+        hidden = model.base_model(
+            input_ids=ids[None],
+            position_ids=plan.positions[None],
+            attention_mask=plan.mask,  # 4-D: passed through as is (rows_attention uses the plan)
+            cache=cache,
+            use_cache=True,
+            phoenix_plan=plan,
+        ).last_hidden_state[0]
+    cache.advance(slots, [len(f) for f in feeds])
+    return hidden
+
+
+def _head(model, hidden: torch.Tensor) -> torch.Tensor:
+    runner = getattr(model, "_phoenix_runner", None)
+    return runner.logits(hidden) if runner is not None else model.get_output_embeddings()(hidden)
 
 
 @torch.inference_mode()
 def target_scores(
-    model, cache: RowCache, slots: Sequence[int], feeds: Sequence[Sequence[int]], pad_id: int
+    model, cache: RowCache, slots: Sequence[int], feeds: Sequence[Sequence[int]], pad_id: int = 0
 ) -> list[list[int]]:
     """Feed each row its tokens; returns each row's greedy choice after every fed token."""
-    ids = pad_feeds(feeds, pad_id, cache.device)
-    pos, mask = cache.bind(slots, ids.shape[1])
-    logits = model(
-        input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
-        logits_to_keep=ids.shape[1],
-    ).logits  # fmt: skip
-    cache.advance(slots, [len(f) for f in feeds])
-    preds = logits.argmax(-1).tolist()
-    return [p[: len(f)] for p, f in zip(preds, feeds, strict=True)]
+    preds = _head(model, _hidden(model, cache, slots, feeds)).argmax(-1).tolist()
+    out, i = [], 0
+    for f in feeds:
+        out.append(preds[i : i + len(f)])
+        i += len(f)
+    return out
 
 
 @torch.inference_mode()
 def prefill(
-    model, cache: RowCache, slots: Sequence[int], feeds: Sequence[Sequence[int]], pad_id: int
+    model, cache: RowCache, slots: Sequence[int], feeds: Sequence[Sequence[int]], pad_id: int = 0
 ) -> None:
     """Feed each row its tokens for the cache only (no scores: the next step feeds the last
     token). Rows with nothing to feed are left alone."""
     pairs = [(s, f) for s, f in zip(slots, feeds, strict=True) if f]
-    if not pairs:
-        return
-    slots, feeds = [s for s, _ in pairs], [f for _, f in pairs]
-    ids = pad_feeds(feeds, pad_id, cache.device)
-    pos, mask = cache.bind(slots, ids.shape[1])
-    base = getattr(model, "base_model", model)
-    base(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
-    cache.advance(slots, [len(f) for f in feeds])
+    if pairs:
+        _hidden(model, cache, [s for s, _ in pairs], [f for _, f in pairs])
 
 
 @torch.inference_mode()
@@ -202,14 +289,9 @@ def draft_next(
 ) -> list[int]:
     """The draft's greedy next token for each row after its feed; with `head` (rows of the
     output embedding for `head_ids`) only those tokens are scored."""
-    ids = pad_feeds(feeds, pad_id, cache.device)
-    pos, mask = cache.bind(slots, ids.shape[1])
-    hidden = model.base_model(
-        input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True
-    ).last_hidden_state
-    cache.advance(slots, [len(f) for f in feeds])
-    last = torch.tensor([len(f) - 1 for f in feeds], device=cache.device)
-    h = hidden[torch.arange(len(feeds), device=cache.device), last]
+    hidden = _hidden(model, cache, slots, feeds)
+    ends = torch.tensor([len(f) for f in feeds]).cumsum(0) - 1
+    h = hidden[ends.to(hidden.device)]
     if head is None:
-        return model.get_output_embeddings()(h).argmax(-1).tolist()
+        return _head(model, h).argmax(-1).tolist()
     return head_ids[F.linear(h, head).argmax(-1)].tolist()

@@ -1,0 +1,220 @@
+"""Serving under load: Phoenix's server in every mode, and vLLM beside it, from 1 to 16 clients.
+
+    .venv/bin/python -m benchmarks.serving_load [--config configs/default.yaml]
+        [--artifacts artifacts] [--clients 1 2 4 8 16] [--requests 32] [--tokens 48]
+        [--modes target fixed:4 ngram:4 bandit] [--vllm 0 draft:2 ngram:4] [--set KEY=VALUE]
+
+Needs `make demo` (or split, distill, train, merge) for the held-out prompts and the merged draft;
+`--vllm` needs `make vllm` (the vLLM tier; nothing is started without the flag's arms); `--url`
+measures a Phoenix server already running (another build, say) instead of starting one.
+
+One Phoenix server (`python -m pipeline serve`, as `make serve` starts it; `--set` passes config
+overrides to it, e.g. `engine.compile=false`) serves every mode: each request names its mode
+(`phoenix.mode`), so all modes share one engine, one warm-up and one bandit. The bandit starts
+fresh (the workspace's saved state is set aside and put back after). For each mode, and then for
+each vLLM arm (a vLLM server per arm, the same target and draft), every concurrency c is warmed
+(c requests of 8 tokens, outside every figure), then the same held-out prompts in the same order
+(`--requests`, at least 2 per client) go out as streamed chat requests, c at a time, greedy,
+`--tokens` each, opted out of traffic capture. Per point: aggregate output tokens/s over the wall
+clock, p50/p95 latency and time to first token, acceptance from the server's own counters, and for
+Phoenix the arms that served the requests (the bandit's choices at that concurrency).
+
+Writes <artifacts>/perf/serving_load.{json,md,png}: a table per engine, the bandit's ratios to
+target-only and to the best single mode at each concurrency, and tokens/s against concurrency,
+one line per mode and engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+import time
+from pathlib import Path
+
+from benchmarks.common import environment, header, server, table, write_results
+from pipeline import loadtest, vllm
+from pipeline.config import load_config
+from pipeline.drafts import resolve_served
+from pipeline.workspace import Workspace
+
+NO_CAPTURE = {"capture": False}
+
+
+def sweep(ep, model, prompts, clients, requests, tokens, extra, label) -> dict[int, dict]:
+    """Warm every concurrency, then one point per concurrency (the same prompts, in order)."""
+    for c in clients:
+        loadtest.sweep_point(ep, model, prompts[:c], c, 8, extra)
+    points = {}
+    for c in clients:
+        batch = [prompts[i % len(prompts)] for i in range(max(requests, 2 * c))]
+        points[c] = loadtest.sweep_point(ep, model, batch, c, tokens, extra, f"{label} c={c}")
+        p = points[c]
+        print(f"{label} c={c}: {p['tokens_per_second']:.2f} tok/s, p95 {p['p95_latency_s']:.2f} s,"
+              f" arms {p['arms']}", flush=True)  # fmt: skip
+    return points
+
+
+def phoenix_sweep(args, cfg, ws) -> dict:
+    prompts = loadtest.held_out_prompts(ws)
+    state = ws.state / "bandit.json"
+    aside = state.with_name("bandit.json.serving_load")
+    if state.exists():
+        shutil.move(state, aside)
+    started = (
+        server(args.config, ws.root, "bandit", args.set, ws.root / "perf" / "serve.log")
+        if args.url is None
+        else contextlib.nullcontext((args.url, 0.0))
+    )
+    try:
+        with started as (url, ready_s):
+            ep = loadtest.Endpoint(url)
+            model = ep.model()
+            modes = {}
+            for mode in args.modes:
+                extra = {"phoenix": {**NO_CAPTURE, "mode": mode}}
+                modes[mode] = sweep(ep, model, prompts, args.clients, args.requests, args.tokens,
+                                    extra, f"phoenix {mode}")  # fmt: skip
+    finally:
+        state.unlink(missing_ok=True)
+        if aside.exists():
+            shutil.move(aside, state)
+    return {"ready_s": ready_s, "modes": modes}
+
+
+def vllm_sweep(args, cfg, ws) -> dict:
+    prompts = loadtest.held_out_prompts(ws)
+    served = resolve_served(cfg, ws)
+    target, draft = vllm.target_dir(cfg, ws), vllm.draft_dir(cfg, ws, served)
+    out = {}
+    for arm in args.vllm:
+        strategy, _, k = arm.partition(":")
+        method = vllm.METHODS.get(strategy) if k else None
+        spec = vllm.speculative_config(method, draft, int(k or 0))
+        log_path = ws.root / "perf" / f"vllm-{arm.replace(':', '_')}.log"
+        with vllm.VllmServer(cfg, target, spec, log_path) as srv:
+            ep = loadtest.Endpoint(srv.url)
+            model = ep.model()
+            out[arm] = sweep(ep, model, prompts, args.clients, args.requests, args.tokens, None,
+                             f"vllm {arm}")  # fmt: skip
+    return {"draft": served.describe(), "arms": out}
+
+
+def verdict(phoenix: dict, peers: dict, clients: list[int]) -> list[str]:
+    """The issue's goals against what was measured (only those this run can speak to)."""
+    modes = phoenix["modes"]
+
+    def tps(points, c):
+        return points[c]["tokens_per_second"]
+
+    lines = []
+    if "bandit" in modes and "target" in modes:
+        for c in clients:
+            best = max(modes, key=lambda m: tps(modes[m], c) if m != "bandit" else -1)
+            b, t = tps(modes["bandit"], c), tps(modes["target"], c)
+            lines.append(
+                f"- {c} client(s): bandit {b:.2f} tok/s = **{b / t:.2f}x** target-only, "
+                f"**{b / tps(modes[best], c):.2f}x** the best single mode ({best}, "
+                f"{tps(modes[best], c):.2f}); arms {modes['bandit'][c]['arms']}"
+            )
+        if 8 in clients:
+            pb, pt = modes["bandit"][8]["p95_latency_s"], modes["target"][8]["p95_latency_s"]
+            lines.append(f"- p95 latency at 8 clients: bandit {pb:.2f} s, target-only {pt:.2f} s")
+    if peers:
+        arms = peers["arms"]
+        spec = [a for a in arms if a != "0"]
+        if spec and "bandit" in modes and 1 in clients:
+            best = max(spec, key=lambda a: tps(arms[a], 1))
+            lines.append(
+                f"- 1 client: Phoenix bandit {tps(modes['bandit'], 1):.2f} vs vLLM's best "
+                f"speculative arm {best} {tps(arms[best], 1):.2f} tok/s"
+            )
+        if "0" in arms and "target" in modes and 8 in clients:
+            p, v = tps(modes["target"], 8), tps(arms["0"], 8)
+            lines.append(f"- 8 clients, no speculation: Phoenix {p:.2f} vs vLLM {v:.2f} tok/s "
+                         f"= **{p / v:.2f}x**")  # fmt: skip
+    return lines
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    lines = [(f"phoenix {m}", pts, "-") for m, pts in results["phoenix"]["modes"].items()]
+    lines += [
+        (f"vllm {a}", pts, "--") for a, pts in results.get("vllm", {}).get("arms", {}).items()
+    ]
+    for label, pts, style in lines:
+        cs = sorted(pts, key=int)
+        ax.plot(cs, [pts[c]["tokens_per_second"] for c in cs], style, marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(results["clients"], [str(c) for c in results["clients"]])
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("aggregate output tokens/s")
+    ax.set_title("Serving under load", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def markdown(results: dict) -> str:
+    env = results["environment"]
+    out = [f"# Serving under load\n\n{header(env)}\n",
+           f"{results['requests']} requests per point (at least 2 per client), "
+           f"{results['tokens']} tokens each; config {results['config']} "
+           f"{' '.join(results['sets'])}; Phoenix ready after {results['phoenix']['ready_s']:.0f} s.\n"]  # fmt: skip
+    head = ["engine", "mode", "clients", "tok/s", "p50 s", "p95 s", "TTFT p50 s", "acceptance",
+            "arms"]  # fmt: skip
+    rows = []
+    engines = [("phoenix", results["phoenix"]["modes"])]
+    if "vllm" in results:
+        engines.append(("vllm", results["vllm"]["arms"]))
+    for engine, modes in engines:
+        for mode, pts in modes.items():
+            for c in sorted(pts, key=int):
+                p = pts[c]
+                acc = p.get("acceptance")
+                rows.append([engine, mode, c, f"{p['tokens_per_second']:.2f}",
+                             f"{p['p50_latency_s']:.2f}", f"{p['p95_latency_s']:.2f}",
+                             f"{p['p50_ttft_s']:.2f}", "-" if acc is None else f"{acc:.3f}",
+                             ", ".join(f"{a}: {n}" for a, n in p.get("arms", {}).items()) or "-"])  # fmt: skip
+    out += table(head, rows)
+    out += ["", "Against the goals:", "", *results["verdict"], ""]
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="configs/default.yaml")
+    ap.add_argument("--artifacts", default="artifacts")
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--modes", nargs="+", default=["target", "fixed:4", "ngram:4", "bandit"])
+    ap.add_argument("--vllm", nargs="*", default=[], help="vLLM arms: 0, draft:K, ngram:K")
+    ap.add_argument("--set", action="append", default=[], help="config override for the server")
+    ap.add_argument("--url", help="measure this running Phoenix server instead of starting one")
+    args = ap.parse_args()
+    cfg = load_config(args.config, args.set)
+    ws = Workspace(args.artifacts)
+    t0 = time.perf_counter()
+    results = {"environment": environment(cfg), "config": args.config, "sets": args.set,
+               "clients": args.clients, "requests": args.requests, "tokens": args.tokens}  # fmt: skip
+    results["phoenix"] = phoenix_sweep(args, cfg, ws)
+    if args.vllm:
+        results["vllm"] = vllm_sweep(args, cfg, ws)
+    results["verdict"] = verdict(results["phoenix"], results.get("vllm", {}), args.clients)
+    results["seconds"] = time.perf_counter() - t0
+    folder = ws.root / "perf"
+    write_results(folder, "serving_load", results, markdown(results))
+    plot(results, folder / "serving_load.png")
+    print(f"plot: {folder / 'serving_load.png'}")
+
+
+if __name__ == "__main__":
+    main()

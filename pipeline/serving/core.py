@@ -1,0 +1,243 @@
+"""The serving core: a `Request` in, a `CoreResult` out, every request on one step loop.
+
+Shared by the HTTP server (which includes the local teacher) and the bench, so a number the
+bench measures is a number the server delivers; `make_core` builds every core, with the
+config's bandit settings. The hand-off (`submit`): the policy picks the request's arm with the
+batch in view (bandit mode; a fixed mode runs its arm), the text tracker turns its tokens into
+final text and stop strings, and the scheduler runs it beside every other request. At the end the
+request's goodput teaches the policy, and its `future` gets the result. Knows modes, text and
+stop strings; knows nothing of HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .. import models
+from ..config import Config
+from ..speculative.arms import parse_arm
+from ..speculative.bandit import Context
+from ..speculative.batch import RowBatch
+from .policy import Policy, make_policy
+from .request import CoreResult, Mode, Request, parse_mode
+from .scheduler import Job, Scheduler
+from .text import TextTracker
+
+log = logging.getLogger(__name__)
+
+
+class ServingCore:
+    """Target (+ optional draft) models on one step loop, a tokenizer, and the policy."""
+
+    def __init__(
+        self,
+        pair: models.Pair,
+        policy: Policy,
+        model_id: str,
+        draft_id: str | None,
+        default_mode: str = "bandit",
+        max_rows: int = 16,
+        limit: int | None = None,
+        draft_info: dict | None = None,
+        target_spec: str | None = None,
+    ):
+        """`limit`: the longest prompt + output a row may reach (default: the engine's);
+        `draft_info`: what /v1/models says of the draft (drafts.ServedDraft.describe())."""
+        self.pair = pair
+        self.tokenizer = pair.tokenizer
+        self.policy = policy
+        self.model_id = model_id
+        self.draft_id = draft_id
+        self.draft_info = draft_info
+        self.target_spec = target_spec or model_id
+        self.has_draft = pair.engine.drafter is not None
+        if not self.has_draft and any(parse_arm(a).needs_draft for a in policy.arms):
+            raise ValueError(f"bandit arms {policy.arms} include draft arms, and there is no draft")
+        self.default_mode = parse_mode(default_mode, policy.arms, self.has_draft)
+        self.scheduler = Scheduler(RowBatch(pair.engine, max_rows, limit))
+        self._labels = {0: draft_id}  # draft epoch -> the draft's label
+        # A prompt longer than this cannot fit the context, whatever its tokens: refused before
+        # it is tokenised (a byte-level token spells at most its longest entry's characters).
+        self.max_prompt_chars = self.max_context * models.longest_token_chars(self.tokenizer)
+
+    # -- what the server reads --------------------------------------------------------------------
+    @property
+    def engine(self):
+        return self.scheduler.batch.engine
+
+    @property
+    def bandit(self):
+        return self.policy.bandit
+
+    @property
+    def guard(self):
+        return self.policy.guard
+
+    @property
+    def draft_epoch(self) -> int:
+        return self.scheduler.batch.epoch
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the target's steps run compiled (`models.compile_engine`)."""
+        runner = getattr(self.engine.target, "_phoenix_runner", None)
+        return runner is not None and runner.compiled
+
+    @property
+    def generating(self) -> int:
+        """Requests in the batch now (not those waiting to join)."""
+        return self.scheduler.running
+
+    @property
+    def max_context(self) -> int:
+        return self.scheduler.batch.limit
+
+    def mode(self, text: str | None) -> Mode:
+        if text is None:
+            return self.default_mode
+        return parse_mode(text, self.policy.arms, self.has_draft)
+
+    def chat_prompt_ids(
+        self, messages: list[dict], template_kwargs: dict | None = None
+    ) -> list[int]:
+        return models.chat_prompt_ids(self.tokenizer, messages, template_kwargs)
+
+    def text_prompt_ids(self, text: str) -> list[int]:
+        return models.text_prompt_ids(self.tokenizer, text)
+
+    # -- the hand-off -----------------------------------------------------------------------------
+    def context(self, prompt_tokens: int) -> Context:
+        """What the policy sees of the batch a request would join now."""
+        batch, s = self.scheduler.batch, self.scheduler
+        others = s.running + s.waiting
+        return Context(
+            prompt_tokens=prompt_tokens,
+            queue_depth=others,
+            rows=min(batch.max_rows, others + 1),
+            step_cost=batch.cost.coefficients() if batch.cost.seen else None,
+            draft_cost=batch.draft_cost.coefficients() if batch.draft_cost.seen else None,
+            draft_rows=sum(1 for r in list(batch.rows) if r.dslot is not None),
+        )
+
+    def submit(self, req: Request) -> None:
+        """Hand one request to the loop (does not block): `req.future` gets its CoreResult."""
+        context = self.context(len(req.prompt_ids))
+        decision = self.policy.choose(context) if req.mode.kind == "bandit" else None
+        arm = parse_arm(decision.arm) if decision else req.mode.arm
+        tracker = TextTracker(self.tokenizer, req.stop)
+
+        def on_tokens(out: list[int]) -> bool:
+            delta = tracker.update(out)
+            if delta and req.on_text is not None:
+                req.on_text(delta)
+            return tracker.stopped
+
+        def on_done(job: Job) -> None:
+            if job.error is not None:
+                req.future.set_exception(job.error)
+                return
+            res = job.result
+            if not tracker.stopped:
+                tracker.update(res.token_ids)
+            tail = tracker.rest()
+            if tail and req.on_text is not None:
+                req.on_text(tail)
+            cancelled = req.cancel.is_set()
+            # vLLM's name for a request whose client left: not a success, not a stop string.
+            finish = "abort" if cancelled else ("stop" if tracker.stopped else res.finish_reason)
+            out = CoreResult(
+                tracker.text, finish, req.mode, res, decision, tracker.stopped,
+                draft=self._labels.get(job.epoch), rows=context.rows,
+            )  # fmt: skip
+            # A reward earned (even in part) on a draft swapped out since is not the new one's.
+            stale = arm.needs_draft and job.epoch != self.draft_epoch
+            if decision is not None and not cancelled and not stale:
+                # The drift guard compares with plain at this load by the cost fit it ran on.
+                cost = self.scheduler.batch.cost.coefficients()
+                out.guard_event = self.policy.reward(decision, out, context, cost)
+            req.future.set_result(out)
+
+        self.scheduler.submit(
+            Job(req.prompt_ids, req.max_tokens, arm, on_done, on_tokens, req.cancel, req.submitted)
+        )
+
+    def generate(self, req: Request, timeout: float | None = None) -> CoreResult:
+        """`submit` and wait for the result (the bench, the tests)."""
+        self.submit(req)
+        return req.result(timeout)
+
+    def swap_draft(self, pair: models.Pair, draft_id: str, draft_info: dict) -> float:
+        """Serve `pair` (same target, a new draft) from the next step on: running draft rows
+        catch up on the new draft (their output stays exact; their rewards are dropped). The draft
+        arms' statistics start over; the drift guard forgets its speculative window. Returns the
+        seconds generation paused."""
+
+        def swap(batch: RowBatch) -> float:
+            t0 = time.perf_counter()
+            batch.set_engine(pair.engine)
+            self.pair, self.draft_id, self.draft_info = pair, draft_id, draft_info
+            self._labels[batch.epoch] = draft_id
+            self.policy.forget_draft_arms()
+            return time.perf_counter() - t0
+
+        paused = self.scheduler.call(swap)
+        self.policy.save()
+        return paused
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the loop (waiting requests hear `Cancelled`) and write the policy's state."""
+        self.scheduler.stop(timeout)
+        self.policy.save()
+
+
+def build_core(
+    cfg: Config, ws, served=None, mode: str | None = None, full_head: bool = False
+) -> ServingCore:
+    """Load the models per config and build the server's core (the local teacher's too: mode
+    target). `served`: the draft, already chosen (`drafts.resolve_served`); None: target only.
+    `full_head`: the draft proposes over its whole vocabulary whatever `engine.draft_vocab`."""
+    mode = mode or cfg.server.mode
+    pair = models.load_pair(cfg, ws, served.spec if served else None, full_head=full_head)
+    models.compile_engine(cfg, ws, pair)  # before /health says ready: warm, not in a request
+    return make_core(
+        cfg,
+        pair,
+        mode,
+        draft_id=served.label if served else None,
+        draft_info=served.describe() if served else None,
+        state_file=ws.state / "bandit.json",
+    )
+
+
+def make_core(
+    cfg: Config,
+    pair: models.Pair,
+    mode: str | None = None,
+    draft_id: str | None = None,
+    draft_info: dict | None = None,
+    state_file: Path | None = None,
+    max_batch: int | None = None,
+    policy: str | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> ServingCore:
+    """Every serving core (server, local teacher, bench, tests) is built here, its policy from
+    the config's `bandit` section. `mode`: the default mode (default `server.mode`);
+    `draft_id`, `draft_info`: the draft's label (tags, metrics) and what /v1/models says of it;
+    `max_batch`: rows the loop runs together (default `server.max_batch`); `policy`: another
+    `bandit.policy`."""
+    has_draft = pair.draft_ref is not None
+    arms = [a for a in cfg.bandit.arms if has_draft or not parse_arm(a).needs_draft] or ["0"]
+    return ServingCore(
+        pair,
+        make_policy(cfg.bandit, arms, state_file, policy, clock),
+        model_id=cfg.models.served_name or cfg.models.target,
+        draft_id=draft_id if has_draft else None,
+        draft_info=draft_info if has_draft else None,
+        target_spec=cfg.models.target,
+        default_mode=mode or cfg.server.mode,
+        max_rows=cfg.server.max_batch if max_batch is None else max_batch,
+        limit=cfg.engine.max_context,
+    )

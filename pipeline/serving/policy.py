@@ -1,0 +1,189 @@
+"""The arm per request, with the batch in view: the bandit's choice, the drift guard, the
+bandit's state on disk. No threads, no models; time comes from an injected clock, so tests run
+on fake time.
+
+`choose(context)`: the drift guard may hold a bandit request to plain generation (or make it
+probe the best speculative arm after a cool-down); otherwise the bandit chooses
+(`speculative.bandit`, `bandit.policy`). The context carries the batch the request joins: its
+rows and the step loop's cost fits.
+
+`reward(...)`: a finished bandit request teaches the bandit its goodput (`CoreResult.goodput`:
+tokens over what it cost the batch; alone, its own tokens/s) and the acceptance it saw per
+position. The drift guard judges the same figure relative to what plain generation would have
+delivered at that load (`plain_rate`), so requests at different loads compare. A reward earned on
+a draft swapped out since is dropped. The state file is written at most every `save_every_s`
+(and at `save()`), never once per request on the scheduler's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from ..config import BanditConfig
+from ..speculative.arms import parse_arm
+from ..speculative.bandit import (
+    Context,
+    ContextualBandit,
+    Decision,
+    DriftGuard,
+    EpsilonGreedy,
+    GoodputBandit,
+    load_bandit,
+    save_bandit,
+)
+
+log = logging.getLogger(__name__)
+
+
+def plain_rate(context: Context) -> float | None:
+    """Tokens/s a plain row gets at this context's load (None: no cost figures)."""
+    if context.step_cost is None:
+        return None
+    a, b = context.step_cost
+    return 1.0 / max(a / max(1, context.rows) + b, 1e-9)
+
+
+class Policy:
+    def __init__(
+        self,
+        bandit: EpsilonGreedy,
+        guard: DriftGuard | None = None,
+        state_file: Path | None = None,
+        save_every_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.bandit = bandit
+        self.plain_arm = next((a for a in bandit.arms if parse_arm(a).k == 0), None)
+        self.guard = guard if self.plain_arm is not None else None
+        self.state_file = state_file
+        self.save_every_s = save_every_s
+        self.clock = clock
+        self._saved_at = clock()
+        self._dirty = False
+        if state_file is not None:
+            log.info("bandit state %s: %s", state_file, load_bandit(bandit, state_file))
+
+    @property
+    def arms(self) -> list:
+        return self.bandit.arms
+
+    def choose(self, context: Context) -> Decision:
+        """The arm for a bandit request, unless the drift guard holds it to plain generation."""
+        if self.guard is not None and self.guard.hold():
+            return Decision(self.plain_arm, False, False, 0.0, {}, {}, fallback=True)
+        if self.guard is not None and self.guard.probe():
+            means = dict(self.bandit.means)
+            spec = [a for a in self.bandit.arms if a != self.plain_arm]
+            arm = max(spec, key=lambda a: (means[a], -self.bandit.arms.index(a)))
+            return Decision(arm, False, False, 0.0, means, dict(self.bandit.counts), probe=True)
+        return self.bandit.choose(context)
+
+    def reward(
+        self, decision: Decision, result, context: Context, step_cost: tuple | None = None
+    ) -> dict | None:
+        """Teach the bandit one finished request (`result`: its CoreResult, chosen in
+        `context`); returns the drift guard's event, if any. `step_cost`: the step loop's cost
+        fit now (default the context's), for the guard's plain rate at the request's load."""
+        res = result.result
+        reward = result.goodput
+        weight = max(res.cost_s or res.latency_s, 1e-6)  # an arm's mean: its tokens over its time
+        positions = (res.rounds, res.proposed_per_position, res.accepted_per_position)
+        if isinstance(self.bandit, GoodputBandit):
+            self.bandit.update(
+                decision.arm, reward, context, res.acceptance, weight, positions=positions
+            )
+        else:
+            self.bandit.update(decision.arm, reward, context, res.acceptance, weight)
+        self._dirty = True
+        self.save(force=False)
+        base = plain_rate(replace(context, step_cost=step_cost or context.step_cost))
+        if self.guard is None or base is None:  # no cost figures yet: nothing to compare with
+            return None
+        figure = reward / base  # relative to plain at this load
+        exploited = not (decision.explored or decision.warmup or decision.fallback)
+        event = self.guard.observe(parse_arm(decision.arm).k == 0, exploited, figure)
+        if event is not None:
+            log.warning(
+                "speculation %s: exploited speculative arms %.2f vs plain %.2f (goodput "
+                "relative to plain at its load, margin %.0f%%)%s",
+                event["event"],
+                event["speculative_tps"],
+                event["plain_tps"],
+                100 * event["margin"],
+                f"; plain generation for the next {event['cooldown_requests']} bandit "
+                "requests, then a probe"
+                if event["event"] == "fallback"
+                else "; the bandit drafts again",
+            )
+        return event
+
+    def forget_draft_arms(self) -> None:
+        """A new draft: the draft arms' statistics start over; the guard forgets its
+        speculative window."""
+        self.bandit.forget([a for a in self.bandit.arms if parse_arm(a).needs_draft])
+        if self.guard is not None:
+            self.guard.reset_speculative()
+        self._dirty = True
+
+    def save(self, force: bool = True) -> None:
+        """Write the state file if it changed (and, unless `force`, `save_every_s` passed)."""
+        if self.state_file is None or not self._dirty:
+            return
+        now = self.clock()
+        if not force and now - self._saved_at < self.save_every_s:
+            return
+        try:
+            save_bandit(self.bandit, self.state_file)
+            self._dirty, self._saved_at = False, now
+        except OSError as exc:  # serving goes on; the next save tries again
+            log.warning("bandit state %s not saved: %s", self.state_file, exc)
+
+
+def make_bandit(
+    b: BanditConfig, arms: list | None = None, policy: str | None = None, seed: int | None = None
+) -> EpsilonGreedy:
+    """A fresh bandit per the `bandit` section (over `arms`, default `bandit.arms`; `policy`
+    and `seed` may replace the section's), seeded."""
+    args = (arms or b.arms, random.Random(b.seed if seed is None else seed), b.warmup_pulls)
+    kw = dict(
+        epsilon_start=b.epsilon_start,
+        epsilon_floor=b.epsilon_floor,
+        epsilon_decay=b.epsilon_decay,
+        z=b.z,
+    )
+    policy = policy or b.policy
+    if policy == "contextual":
+        return ContextualBandit(*args, prior_weight=b.prior_weight, **kw)
+    if policy == "goodput":
+        return GoodputBandit(*args, explore_margin=b.explore_margin, **kw)
+    return EpsilonGreedy(*args, explore="uniform" if policy == "seed" else "plausible", **kw)
+
+
+def make_guard(b: BanditConfig) -> DriftGuard | None:
+    """The drift guard per `bandit.fallback_*` (None: off)."""
+    if not b.fallback:
+        return None
+    return DriftGuard(
+        window=b.fallback_window,
+        margin=b.fallback_margin,
+        cooldown=b.fallback_cooldown,
+        min_samples=b.fallback_min_samples,
+    )
+
+
+def make_policy(
+    b: BanditConfig,
+    arms: list,
+    state_file: Path | None = None,
+    policy: str | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> Policy:
+    """The policy per the `bandit` section over these arms."""
+    return Policy(
+        make_bandit(b, arms, policy), make_guard(b), state_file, b.save_every_s, clock=clock
+    )

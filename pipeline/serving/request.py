@@ -1,0 +1,160 @@
+"""What a request is to the serving core: its mode, the `Request` the server builds and hands to
+the core once, and the `CoreResult` every consumer reads (`CoreResult.record()`: responses,
+metrics, Sentry, traffic capture and the bench). Pure."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from ..speculative.arms import PLAIN, Arm, canonical, parse_arm
+from ..speculative.bandit import Decision
+from ..speculative.engine import GenerationResult
+
+
+class ModeError(ValueError):
+    """A mode string that is malformed or names an arm this core cannot run."""
+
+
+class Cancelled(Exception):
+    """The caller cancelled (client gone, shutdown) before its generation could start."""
+
+
+class Refused(ValueError):
+    """A request that cannot join the batch (empty prompt, no room in the context, an arm
+    this engine cannot run): refused alone, before it joins."""
+
+
+@dataclass(frozen=True)
+class Mode:
+    kind: str  # "target" | "arm" (one arm for every request) | "bandit"
+    arm: Arm = PLAIN
+
+    @property
+    def k(self) -> int:
+        return self.arm.k
+
+    @property
+    def name(self) -> str:
+        """The transaction and bench row name: target, fixed_K, ngram_K, bandit."""
+        return self.arm.name if self.kind == "arm" else self.kind
+
+    @property
+    def spec(self) -> str:
+        """As a request writes it: target, fixed:K, ngram:K, bandit."""
+        if self.kind != "arm":
+            return self.kind
+        return f"fixed:{self.k}" if self.arm.strategy == "draft" else str(self.arm)
+
+
+def fixed(arm) -> Mode:
+    """The mode that runs one arm (`0` is target)."""
+    a = parse_arm(arm)
+    return Mode("target") if a == PLAIN else Mode("arm", a)
+
+
+def parse_mode(text: str, arms: list[str], has_draft: bool) -> Mode:
+    """A request's (or the config's) mode: target, bandit, or one of `arms` as fixed:K / draft:K
+    (the draft model) or ngram:K (also written fixed_K, ngram_K)."""
+    text = text.strip()
+    arms = canonical(arms)
+    usable = [a for a in arms if has_draft or not parse_arm(a).needs_draft]
+    valid = ", ".join(["target", "bandit", *(fixed(a).spec for a in usable if a != "0")])
+    if text == "target":
+        return Mode("target")
+    if text == "bandit":
+        if not any(a != "0" for a in usable):
+            raise ModeError("mode 'bandit' needs a draft model or an ngram arm, and has neither")
+        return Mode("bandit")
+    try:
+        arm = parse_arm(text.replace("_", ":", 1))
+    except ValueError:
+        raise ModeError(f"unknown mode {text!r}: the valid modes are {valid}") from None
+    if arm.needs_draft and not has_draft:
+        raise ModeError(
+            f"mode {text!r} needs a draft model, and none is loaded; valid here: {valid}"
+        )
+    if str(arm) not in arms and arm != PLAIN:
+        raise ModeError(f"bad mode {text!r}: not one of the configured arms; valid: {valid}")
+    return fixed(arm)
+
+
+@dataclass
+class CoreResult:
+    text: str
+    finish_reason: str  # "stop" | "length" | "abort" (the client left)
+    mode: Mode
+    result: GenerationResult
+    decision: Decision | None
+    stopped_by_string: bool = False
+    guard_event: dict | None = None  # the drift guard fell back or recovered after this request
+    draft: str | None = None  # the draft version it joined on
+    rows: int = 1  # rows in the batch when it joined, itself included (the policy's load)
+
+    @property
+    def goodput(self) -> float:
+        """Tokens over what the request cost the batch (its prefill plus its shares of the
+        steps): the policy's reward. Alone in the batch it is the request's own tokens/s."""
+        r = self.result
+        cost = r.cost_s if r.cost_s else r.latency_s
+        return r.output_tokens / cost if cost > 0 else 0.0
+
+    def record(self) -> dict:
+        """The request's figures, flat: what every consumer reads. Decision fields are None
+        for a request the bandit did not choose."""
+        r, d = self.result, self.decision
+        return {
+            "mode": self.mode.spec,
+            "arm": r.arm,
+            "draft": self.draft,
+            "finish_reason": self.finish_reason,
+            "stopped_by_string": self.stopped_by_string,
+            "prompt_tokens": r.prompt_tokens,
+            "output_tokens": r.output_tokens,
+            "proposed": r.proposed,
+            "accepted": r.accepted,
+            "rounds": r.rounds,
+            "acceptance": r.acceptance,
+            "proposed_per_position": r.proposed_per_position,
+            "accepted_per_position": r.accepted_per_position,
+            "latency_s": r.latency_s,
+            "queued_s": r.queued_s,
+            "first_token_s": r.first_token_s,
+            "draft_s": r.draft_s,
+            "verify_s": r.verify_s,
+            "cost_s": r.cost_s,
+            "tokens_per_second": r.tokens_per_second,
+            "goodput": self.goodput,
+            "batch_rows": r.batch_rows,
+            "rows": self.rows,
+            "explored": d.explored if d else None,
+            "warmup": d.warmup if d else None,
+            "fallback": d.fallback if d else None,  # held to plain generation by the drift guard
+            "epsilon": d.epsilon if d else None,
+            "guard_event": self.guard_event["event"] if self.guard_event else None,
+        }
+
+
+@dataclass(eq=False)
+class Request:
+    """One request as the server (or the bench, or the local teacher) hands it to the core,
+    once: what to generate, in which mode, and where its text goes. The core answers through
+    `future`: a `CoreResult`, `Cancelled` if `cancel` was set before it joined, or the error
+    that failed it. `on_text(delta)` gets the final text as it grows (stop strings held back),
+    from the scheduler's thread: it must not block. Set `cancel` (a client gone, a shutdown) and
+    the request leaves after the current step with the text so far."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    mode: Mode
+    stop: list[str] = field(default_factory=list)
+    on_text: Callable[[str], None] | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    future: Future = field(default_factory=Future)
+    submitted: float = field(default_factory=time.perf_counter)
+
+    def result(self, timeout: float | None = None) -> CoreResult:
+        return self.future.result(timeout)

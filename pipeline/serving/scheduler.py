@@ -1,0 +1,207 @@
+"""The step loop's thread: one scheduler owns the models and advances every running request.
+
+The only module in serving that starts a thread. Callers hand it `Job`s (`submit`, which does
+not block) and get them back through `Job.on_done`, called once from this thread: with the
+result, with `Cancelled` (cancelled before it joined), or with the error that failed it. Between
+two steps the loop runs the calls it was asked to (`call`: a draft swap), drops the rows whose
+caller cancelled (they finish with the output so far), and lets waiting jobs join up to the
+batch's room, in order. A step that raises fails the rows in it (the error is handed to each)
+and the loop goes on with the jobs that come next; a prefill that raises fails its joiners only.
+
+`stalled_s()` is how long the loop has had work without finishing a step (the server's /health
+turns 503 past `server.stuck_after_s`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..speculative.arms import Arm
+from ..speculative.batch import Row, RowBatch
+from ..speculative.engine import GenerationResult
+from .request import Cancelled, Refused
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Job:
+    """One request as the loop runs it. `on_tokens(output_so_far)` runs after each step that
+    added tokens; True ends the row (a stop string). `cancel` set: the row leaves after the
+    current step with its output so far (before it joins: `Cancelled`). `on_done(job)` runs
+    once at the end with `result` or `error` set, and `epoch` the draft epoch it joined on."""
+
+    prompt: list[int]
+    max_tokens: int
+    arm: Arm
+    on_done: Callable[[Job], None]
+    on_tokens: Callable[[list[int]], bool] | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+    result: GenerationResult | None = None
+    error: BaseException | None = None
+    epoch: int = -1
+
+
+def background(fn: Callable[[], object], name: str) -> threading.Thread:
+    """Run `fn` on a daemon thread of its own (model loading, the draft watcher): the one other
+    way serving starts a thread. A process that is told to stop does not wait for it."""
+    thread = threading.Thread(target=fn, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+class Scheduler:
+    def __init__(self, batch: RowBatch, name: str = "phoenix-steps"):
+        self.batch = batch
+        self.queue: queue.Queue[Job] = queue.Queue()
+        self.calls: queue.Queue[tuple[Callable, threading.Event, list]] = queue.Queue()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._last_beat = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # -- callers' side --------------------------------------------------------------------------
+    @property
+    def running(self) -> int:
+        return len(self.batch.rows)
+
+    @property
+    def waiting(self) -> int:
+        return self.queue.qsize()
+
+    def submit(self, job: Job) -> None:
+        """Queue a job (refused at once, through `on_done`, if it cannot join)."""
+        try:
+            self.batch.check(job.prompt, job.max_tokens, job.arm)
+        except ValueError as exc:
+            self._done(job, error=Refused(str(exc)))
+            return
+        if self._stopping:
+            self._done(job, error=Cancelled("the server is shutting down"))
+            return
+        self.queue.put(job)
+        self._wake.set()
+
+    def call(self, fn: Callable[[RowBatch], object], timeout: float | None = None) -> object:
+        """Run `fn(batch)` in the loop's thread between two steps; returns its value or raises
+        its error."""
+        done, box = threading.Event(), []
+        self.calls.put((fn, done, box))
+        self._wake.set()
+        if not done.wait(timeout):
+            raise TimeoutError("the step loop did not take the call in time")
+        value, error = box
+        if error is not None:
+            raise error
+        return value
+
+    def stalled_s(self) -> float:
+        """Seconds with work in hand and no step finished (0.0 when idle)."""
+        busy = self.batch.rows or not self.queue.empty()
+        return time.monotonic() - self._last_beat if busy else 0.0
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """End the loop after its current step; jobs still waiting hear `Cancelled`."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def _beat(self) -> None:
+        self._last_beat = time.monotonic()
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while not self._stopping:
+                self._run_calls()
+                if not self.batch.rows and self.queue.empty():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    self._beat()
+                    continue
+                self._drop_cancelled()
+                self._admit()
+                if self.batch.rows:
+                    self._step()
+                self._beat()
+        for row in self.batch.reset():
+            self._done(row.key, error=Cancelled("the server is shutting down"))
+        while not self.queue.empty():
+            self._done(self.queue.get_nowait(), error=Cancelled("the server is shutting down"))
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, done, box = self.calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                box[:] = [fn(self.batch), None]
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                box[:] = [None, exc]
+            done.set()
+
+    def _done(self, job: Job, result=None, error=None) -> None:
+        job.result, job.error = result, error
+        try:
+            job.on_done(job)
+        except Exception:  # noqa: BLE001 - a caller's bug must not stop the loop
+            log.exception("a request's completion failed")
+
+    def _finish(self, row: Row, reason: str) -> None:
+        job: Job = row.key
+        self._done(job, result=row.result(reason, queued_s=row.start - job.submitted))
+
+    def _drop_cancelled(self) -> None:
+        for row in [r for r in self.batch.rows if r.key.cancel.is_set()]:
+            self.batch.leave(row)
+            self._finish(row, "stop")
+
+    def _admit(self) -> None:
+        jobs: list[Job] = []
+        while len(jobs) < self.batch.room:
+            try:
+                job = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if job.cancel.is_set():
+                self._done(job, error=Cancelled("cancelled while waiting to join"))
+            else:
+                jobs.append(job)
+        if not jobs:
+            return
+        try:
+            rows = self.batch.join([(j, j.prompt, j.max_tokens, j.arm) for j in jobs])
+        except Exception as exc:  # noqa: BLE001 - only the joiners fail
+            log.exception("prefill failed for %d joining requests", len(jobs))
+            for job in jobs:
+                self._done(job, error=exc)
+            return
+        for row in rows:
+            row.key.epoch = row.epoch
+        self._beat()
+
+    def _step(self) -> None:
+        def on_tokens(row: Row) -> bool:
+            job: Job = row.key
+            stop = job.on_tokens is not None and job.on_tokens(row.out)
+            return stop or job.cancel.is_set()
+
+        try:
+            finished = self.batch.step(on_tokens)
+        except Exception as exc:  # noqa: BLE001 - the step's rows hear of it; the loop goes on
+            log.exception("step failed; its %d requests fail with it", len(self.batch.rows))
+            for row in self.batch.reset():
+                self._done(row.key, error=exc)
+            return
+        for row, reason in finished:
+            self._finish(row, reason)
