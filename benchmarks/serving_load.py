@@ -14,7 +14,8 @@ overrides to it, e.g. `engine.compile=false`) serves every mode: each request na
 fresh (the workspace's saved state is set aside and put back after). For each mode, and then for
 each vLLM arm (a vLLM server per arm, the same target and draft), every concurrency c is warmed
 (c requests of 8 tokens, outside every figure), then the same held-out prompts in the same order
-(`--requests`, at least 2 per client) go out as streamed chat requests, c at a time, greedy,
+(`--requests`, at least 2 per client) go out as streamed chat requests (`--no-stream`: plain
+ones, as the openai client sends by default), c at a time, greedy,
 `--tokens` each, opted out of traffic capture. Per point: aggregate output tokens/s over the wall
 clock, p50/p95 latency and time to first token, acceptance from the server's own counters, and for
 Phoenix the arms that served the requests (the bandit's choices at that concurrency).
@@ -41,14 +42,15 @@ from pipeline.workspace import Workspace
 NO_CAPTURE = {"capture": False}
 
 
-def sweep(ep, model, prompts, clients, requests, tokens, extra, label) -> dict[int, dict]:
+def sweep(ep, model, prompts, args, extra, label) -> dict[int, dict]:
     """Warm every concurrency, then one point per concurrency (the same prompts, in order)."""
-    for c in clients:
-        loadtest.sweep_point(ep, model, prompts[:c], c, 8, extra)
+    for c in args.clients:
+        loadtest.sweep_point(ep, model, prompts[:c], c, 8, extra, stream=args.stream)
     points = {}
-    for c in clients:
-        batch = [prompts[i % len(prompts)] for i in range(max(requests, 2 * c))]
-        points[c] = loadtest.sweep_point(ep, model, batch, c, tokens, extra, f"{label} c={c}")
+    for c in args.clients:
+        batch = [prompts[i % len(prompts)] for i in range(max(args.requests, 2 * c))]
+        points[c] = loadtest.sweep_point(ep, model, batch, c, args.tokens, extra,
+                                         f"{label} c={c}", stream=args.stream)  # fmt: skip
         p = points[c]
         print(f"{label} c={c}: {p['tokens_per_second']:.2f} tok/s, p95 {p['p95_latency_s']:.2f} s,"
               f" arms {p['arms']}", flush=True)  # fmt: skip
@@ -73,8 +75,7 @@ def phoenix_sweep(args, cfg, ws) -> dict:
             modes = {}
             for mode in args.modes:
                 extra = {"phoenix": {**NO_CAPTURE, "mode": mode}}
-                modes[mode] = sweep(ep, model, prompts, args.clients, args.requests, args.tokens,
-                                    extra, f"phoenix {mode}")  # fmt: skip
+                modes[mode] = sweep(ep, model, prompts, args, extra, f"phoenix {mode}")
     finally:
         state.unlink(missing_ok=True)
         if aside.exists():
@@ -95,8 +96,7 @@ def vllm_sweep(args, cfg, ws) -> dict:
         with vllm.VllmServer(cfg, target, spec, log_path) as srv:
             ep = loadtest.Endpoint(srv.url)
             model = ep.model()
-            out[arm] = sweep(ep, model, prompts, args.clients, args.requests, args.tokens, None,
-                             f"vllm {arm}")  # fmt: skip
+            out[arm] = sweep(ep, model, prompts, args, None, f"vllm {arm}")
     return {"draft": served.describe(), "arms": out}
 
 
@@ -166,8 +166,10 @@ def markdown(results: dict) -> str:
     env = results["environment"]
     out = [f"# Serving under load\n\n{header(env)}\n",
            f"{results['requests']} requests per point (at least 2 per client), "
-           f"{results['tokens']} tokens each; config {results['config']} "
-           f"{' '.join(results['sets'])}; Phoenix ready after {results['phoenix']['ready_s']:.0f} s.\n"]  # fmt: skip
+           f"{results['tokens']} tokens each, {'streamed' if results['stream'] else 'unstreamed'}; "
+           f"config {results['config']} {' '.join(results['sets'])}; Phoenix "
+           + (f"at {results['url']} (already running)" if results.get("url") else
+              f"ready after {results['phoenix']['ready_s']:.0f} s") + ".\n"]  # fmt: skip
     head = ["engine", "mode", "clients", "tok/s", "p50 s", "p95 s", "TTFT p50 s", "acceptance",
             "arms"]  # fmt: skip
     rows = []
@@ -181,7 +183,8 @@ def markdown(results: dict) -> str:
                 acc = p.get("acceptance")
                 rows.append([engine, mode, c, f"{p['tokens_per_second']:.2f}",
                              f"{p['p50_latency_s']:.2f}", f"{p['p95_latency_s']:.2f}",
-                             f"{p['p50_ttft_s']:.2f}", "-" if acc is None else f"{acc:.3f}",
+                             "-" if p["p50_ttft_s"] is None else f"{p['p50_ttft_s']:.2f}",
+                             "-" if acc is None else f"{acc:.3f}",
                              ", ".join(f"{a}: {n}" for a, n in p.get("arms", {}).items()) or "-"])  # fmt: skip
     out += table(head, rows)
     out += ["", "Against the goals:", "", *results["verdict"], ""]
@@ -199,12 +202,17 @@ def main() -> None:
     ap.add_argument("--vllm", nargs="*", default=[], help="vLLM arms: 0, draft:K, ngram:K")
     ap.add_argument("--set", action="append", default=[], help="config override for the server")
     ap.add_argument("--url", help="measure this running Phoenix server instead of starting one")
+    ap.add_argument(
+        "--no-stream", dest="stream", action="store_false",
+        help="plain (unstreamed) requests, as the openai client sends by default: no TTFT",
+    )  # fmt: skip
     args = ap.parse_args()
     cfg = load_config(args.config, args.set)
     ws = Workspace(args.artifacts)
     t0 = time.perf_counter()
     results = {"environment": environment(cfg), "config": args.config, "sets": args.set,
-               "clients": args.clients, "requests": args.requests, "tokens": args.tokens}  # fmt: skip
+               "clients": args.clients, "requests": args.requests, "tokens": args.tokens,
+               "stream": args.stream, "url": args.url}  # fmt: skip
     results["phoenix"] = phoenix_sweep(args, cfg, ws)
     if args.vllm:
         results["vllm"] = vllm_sweep(args, cfg, ws)

@@ -62,19 +62,38 @@ class Endpoint:
                 "start one (make serve) or pass --url"
             ) from None
 
-    def chat(self, model: str, prompt: str, max_tokens: int, extra: dict | None = None) -> dict:
-        """One streamed greedy chat completion: status, latency, time to first token, tokens."""
+    def chat(
+        self, model: str, prompt: str, max_tokens: int, extra: dict | None = None,
+        stream: bool = True,
+    ) -> dict:  # fmt: skip
+        """One greedy chat completion, streamed (or not): status, latency, time to first token
+        (streamed only), tokens."""
         body = {
             "model": model,
             "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens,
             "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
+            **({"stream": True, "stream_options": {"include_usage": True}} if stream else {}),
             **(extra or {}),
         }
         t0 = time.perf_counter()
         out: dict[str, Any] = {"status": None, "ttft_s": None, "tokens": 0}
+        if not stream:
+            try:
+                r = self.session.post(
+                    self.base + "/v1/chat/completions", json=body, timeout=self.timeout_s
+                )
+                out["status"] = r.status_code
+                if r.status_code == 200:
+                    data = r.json()
+                    out["tokens"] = data["usage"]["completion_tokens"]
+                    out["arm"] = (data.get("phoenix") or {}).get("arm")
+                else:
+                    out["error"] = r.text[:300]
+            except (requests.RequestException, ValueError, KeyError) as exc:
+                out["error"] = type(exc).__name__
+            out["latency_s"] = time.perf_counter() - t0
+            return out
         try:
             with self.session.post(
                 self.base + "/v1/chat/completions", json=body, stream=True, timeout=self.timeout_s
@@ -158,7 +177,7 @@ def acceptance_between(before: dict | None, after: dict | None) -> dict[str, Any
 
 def sweep_point(
     ep: Endpoint, model: str, prompts: list[str], clients: int, max_tokens: int,
-    extra: dict | None = None, progress: str | None = None,
+    extra: dict | None = None, progress: str | None = None, stream: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
     """Every prompt once, `clients` at a time (in order: client i takes the next prompt when
     it is free): aggregate output tokens/s over the wall clock, latency and TTFT percentiles,
@@ -175,7 +194,7 @@ def sweep_point(
                 item = next(todo, None)
             if item is None:
                 return
-            res = ep.chat(model, item, max_tokens, extra)
+            res = ep.chat(model, item, max_tokens, extra, stream)
             with lock:
                 results.append(res)
                 bar.update(1)

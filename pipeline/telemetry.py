@@ -65,6 +65,9 @@ SENTRY_DATA = {
     "draft_seconds": "draft_s",
     "verify_seconds": "verify_s",
     "finish_reason": "finish_reason",
+    "goodput": "goodput",  # tokens over its share of the batch's time (the policy's reward)
+    "batch_rows": "batch_rows",  # the mean rows of the steps it was in
+    "queued_seconds": "queued_s",
 }
 
 
@@ -78,8 +81,8 @@ class SentryRecorder(NullRecorder):
 
     def record(self, res) -> None:
         rec, tx = res.record(), self.tx
-        # The engine interleaves draft and verify work per round; it returns the totals, laid
-        # out here as two back-to-back child spans so a trace shows the split.
+        # The loop interleaves draft and verify work per step, and a row's figures are its share
+        # of the steps it was in; laid out here as two back-to-back child spans.
         t0 = self.started
         for op, name, secs in (
             ("phoenix.draft", "draft candidate generation", rec["draft_s"]),

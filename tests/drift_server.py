@@ -26,6 +26,7 @@ from tests.conftest import TINY_TARGET, wait_http
 from tests.servers import ServerThread, Valve
 
 COOLDOWN = 3
+FAST = 8
 
 
 def main() -> None:
@@ -44,7 +45,7 @@ def main() -> None:
             "bandit.policy=seed",
             "bandit.epsilon_start=0",
             "bandit.epsilon_floor=0",
-            "bandit.fallback_window=3",
+            "bandit.fallback_window=2",
             f"bandit.fallback_cooldown={COOLDOWN}",
             "bandit.fallback_min_samples=2",
             "models.served_name=tiny",
@@ -68,7 +69,9 @@ def main() -> None:
             out.append({**r.json()["phoenix"], "phase": phase})
             return out[-1]
 
-        for _ in range(5):
+        # Eight fast requests: the bandit's mean (tokens over time) holds draft:4 above plain
+        # through the slow requests the guard needs (its window: 2).
+        for _ in range(FAST):
             ask("fast")
         slow.delay_s = 0.05
         for _ in range(8):

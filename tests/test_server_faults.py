@@ -297,11 +297,11 @@ def test_a_draft_made_slow_mid_run_falls_back_to_plain_then_recovers(model_cache
     resp = out["responses"]
     phases = [x["phase"] for x in resp]
     fast = [x for x in resp if x["phase"] == "fast"]
-    assert [x["arm"] for x in fast] == ["0", "draft:4", "draft:4", "draft:4", "draft:4"]
+    assert [x["arm"] for x in fast] == ["0"] + ["draft:4"] * 7
     assert not any(x["fallback"] or x["guard_event"] for x in fast)  # drafting paid: no alarm
     slow = [x for x in resp if x["phase"] == "slow"]
-    assert slow[-1]["guard_event"] == "fallback" and len(slow) <= 6
-    assert all(x["arm"] == "draft:4" for x in slow)  # the bandit alone kept exploiting it
+    assert slow[-1]["guard_event"] == "fallback" and len(slow) <= 4, resp
+    assert all(x["arm"] == "draft:4" for x in slow), resp  # the bandit alone kept exploiting it
     cool = [x for x in resp if x["phase"] == "cooldown"]
     assert len(cool) == 3 and all(x["arm"] == "0" and x["fallback"] for x in cool)
     probe = [x for x in resp if x["phase"] == "probe"]
@@ -322,3 +322,75 @@ def test_a_draft_made_slow_mid_run_falls_back_to_plain_then_recovers(model_cache
     assert samples[("phoenix:speculation_guard_events_total", (("event", "fallback"),))] == 1
     assert samples[("phoenix:speculation_guard_events_total", (("event", "recovered"),))] == 1
     assert samples[("phoenix:speculation_fallback_active", ())] == 0
+
+
+def test_a_huge_body_is_refused_at_once_and_a_plain_request_is_not_held_up(tiny_models):
+    """The reported stall: a 64 MB body got no answer for 120 s and a plain request after it
+    waited 23 s. Now a body over server.max_body_kb is a 413 before it is read (declared
+    length, or counted as it streams in), a prompt too long to fit the context in any
+    tokenisation is a 400 before it is tokenised, and a plain request meanwhile is served."""
+    import socket
+
+    app = create_app(lambda: tiny_core(tiny_models), queue_size=4, max_body_kb=64)
+    with ServerThread(app) as s:
+        wait_http(s.url + "/health")
+        host, port = "127.0.0.1", s.port
+        # Declared 64 MB: refused from the headers, nothing of the body sent.
+        with socket.create_connection((host, port), timeout=10) as sock:
+            sock.sendall(
+                f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {64 << 20}\r\n\r\n".encode()
+            )
+            t0 = time.monotonic()
+            reply = b""
+            while b"}}" not in reply:  # the headers, then the JSON error body
+                got = sock.recv(4096)
+                if not got:
+                    break
+                reply += got
+            text = reply.decode()
+            assert text.startswith("HTTP/1.1 413") and time.monotonic() - t0 < 5, text
+            assert "request_too_large" in text and "server.max_body_kb" in text
+        # No declared length (chunked): counted as it arrives, refused past the limit.
+        def chunks():
+            yield b'{"model": "tiny", "messages": [{"role": "user", "content": "'
+            for _ in range(200):
+                yield b"x" * 1024
+            yield b'"}]}'
+
+        r = requests.post(s.url + CHAT, data=chunks(), timeout=30)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        # Under the body limit, over what the context could hold in characters: not tokenised.
+        core = app.state.phoenix.core
+        text = "y" * (core.max_prompt_chars + 1)
+        t0 = time.monotonic()
+        r = requests.post(s.url + CHAT, json=body(text=text), timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert time.monotonic() - t0 < 5
+        t0 = time.monotonic()
+        assert requests.post(s.url + CHAT, json=body(max_tokens=4), timeout=30).status_code == 200
+        assert time.monotonic() - t0 < 10
+
+
+def test_a_failed_step_is_a_500_naming_the_error_and_the_loop_goes_on(tiny_models, monkeypatch):
+    from pipeline.speculative import batch
+
+    real = batch.target_scores
+    calls = {"n": 0}
+
+    def once_broken(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the first step after the prefill
+            raise RuntimeError("injected step failure")
+        return real(*a, **k)
+
+    app = create_app(lambda: tiny_core(tiny_models, mode="fixed:2"), queue_size=4)
+    with ServerThread(app) as s:
+        wait_http(s.url + "/health")
+        monkeypatch.setattr(batch, "target_scores", once_broken)
+        r = requests.post(s.url + CHAT, json=body(max_tokens=8), timeout=30)
+        assert r.status_code == 500 and "injected step failure" in r.json()["error"]["message"]
+        streamed = requests.post(s.url + CHAT, json=body(max_tokens=8, stream=True), timeout=30)
+        assert streamed.status_code == 200 and last_event(streamed) == b"data: [DONE]"
+        assert requests.post(s.url + CHAT, json=body(max_tokens=8), timeout=30).status_code == 200
+        assert settle(s.url)["status"] == "ok"
