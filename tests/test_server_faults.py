@@ -351,6 +351,7 @@ def test_a_huge_body_is_refused_at_once_and_a_plain_request_is_not_held_up(tiny_
             text = reply.decode()
             assert text.startswith("HTTP/1.1 413") and time.monotonic() - t0 < 5, text
             assert "request_too_large" in text and "server.max_body_kb" in text
+
         # No declared length (chunked): counted as it arrives, refused past the limit.
         def chunks():
             yield b'{"model": "tiny", "messages": [{"role": "user", "content": "'
