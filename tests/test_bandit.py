@@ -366,7 +366,7 @@ def test_goodput_drafts_alone_and_stops_drafting_under_load():
     row's share of a step is a / rows + b * tokens fed. Alone, the fixed cost dominates and
     draft:4 wins; at 16 rows every rejected guess costs a token's worth and plain wins. No
     exploration per load was needed: what one client taught holds at sixteen."""
-    from pipeline.speculative.bandit import Context
+    from pipeline.speculative.bandit import Context, line
 
     b = goodput_bandit()
     for _ in range(4):
@@ -374,7 +374,7 @@ def test_goodput_drafts_alone_and_stops_drafting_under_load():
     teach(b, "draft:4", 10, [10, 10, 10, 10], [8, 6, 5, 4])  # P = .8, .6, .5, .4
     teach(b, "draft:2", 10, [10, 10], [8, 6])
     teach(b, "ngram:4", 10, [3, 3, 3, 3], [1, 1, 1, 0])  # few lookups hit
-    step, draft = (0.05, 0.004), (0.01, 0.0005)  # a target pass; a draft pass
+    step, draft = line(0.05, 0.004), line(0.01, 0.0005)  # a target pass; a draft pass
     alone = Context(rows=1, step_cost=step, draft_cost=draft)
     loaded = Context(rows=16, queue_depth=15, step_cost=step, draft_cost=draft, draft_rows=0)
     assert b.choose(alone).arm == "draft:4"
@@ -390,8 +390,33 @@ def test_goodput_drafts_alone_and_stops_drafting_under_load():
     assert b.choose(alone).arm in ("0", "ngram:4")
 
 
+def test_goodput_reads_the_measured_curve_flat_for_a_few_tokens_then_steep():
+    """A CPU pass: 1 to 5 tokens cost about the same, then every token costs its share (what
+    one line through all steps gets wrong at both ends). Prompt lookup pays alone; at 16 rows,
+    where its guesses would triple the tokens fed, plain wins."""
+    from pipeline.speculative.bandit import Context, step_seconds
+
+    curve = ((1.0, 0.090), (5.0, 0.100), (16.0, 0.290))
+    assert step_seconds(curve, 3) == pytest.approx(0.095)  # between points: linear
+    assert step_seconds(curve, 0.5) == pytest.approx(0.090)  # below: the first's time
+    assert step_seconds(curve, 27) == pytest.approx(0.290 + 11 * 0.19 / 11)  # past: last slope
+    assert step_seconds(((4.0, 0.2),), 8) == pytest.approx(0.4)  # one point: proportional
+    with pytest.raises(ValueError, match="no measured points"):
+        step_seconds((), 1)
+    b = goodput_bandit(arms=("0", "ngram:2", "ngram:4"))
+    for _ in range(3):
+        b.choose()
+    teach(b, "ngram:4", 10, [10, 10, 10, 10], [8, 6, 4, 3])
+    teach(b, "ngram:2", 10, [10, 10], [8, 6])
+    # Alone: ngram:4 commits 1 + .8 + .6 + .4 + .3 = 3.1 tokens a pass of 5 (0.1 s).
+    assert b.choose(Context(rows=1, step_cost=curve)).arm == "ngram:4"
+    assert b.choose(Context(rows=16, step_cost=curve)).arm == "0"
+    # plain at 16 rows: 16 tokens per 0.29 s pass.
+    assert b.predict("0", Context(rows=16, step_cost=curve)) == pytest.approx(16 / 0.29)
+
+
 def test_goodput_explores_only_near_the_best_prediction():
-    from pipeline.speculative.bandit import Context
+    from pipeline.speculative.bandit import Context, line
 
     b = goodput_bandit(epsilon_start=1.0, epsilon_floor=1.0, explore_margin=0.3)
     for _ in range(4):
@@ -399,7 +424,7 @@ def test_goodput_explores_only_near_the_best_prediction():
     teach(b, "draft:4", 10, [10] * 4, [9, 8, 7, 6])
     teach(b, "draft:2", 10, [10] * 2, [9, 8])
     teach(b, "ngram:4", 10, [10] * 4, [0, 0, 0, 0])
-    ctx = Context(rows=1, step_cost=(0.05, 0.001), draft_cost=(0.002, 0.0))
+    ctx = Context(rows=1, step_cost=line(0.05, 0.001), draft_cost=line(0.002, 0.0))
     picks = {b.choose(ctx).arm for _ in range(60)}
     assert picks <= {"draft:2", "draft:4"} and len(picks) == 2  # never 0 or ngram here
 
@@ -438,10 +463,10 @@ def test_the_drift_guard_judges_goodput_relative_to_plain_at_its_load():
     the guard compares is each figure over plain's predicted rate at that load."""
     from pipeline.config import BanditConfig
     from pipeline.serving.policy import plain_rate
-    from pipeline.speculative.bandit import Context
+    from pipeline.speculative.bandit import Context, line
 
     assert plain_rate(Context()) is None
-    step = (0.04, 0.01)
+    step = line(0.04, 0.01)
     assert plain_rate(Context(rows=1, step_cost=step)) == pytest.approx(1 / 0.05)
     assert plain_rate(Context(rows=8, step_cost=step)) == pytest.approx(1 / 0.015)
     assert BanditConfig().fallback  # on by default: the figure matters

@@ -5,15 +5,21 @@ graphs and guards exactly as with inductor, without generating code); `-m slow` 
 import json
 
 import pytest
+import requests
 import torch
 
 from pipeline import models
 from pipeline.config import load_config
+from pipeline.server import create_app
 from pipeline.speculative.engine import SpeculativeEngine
 from pipeline.speculative.proposers import draft_token
 from pipeline.workspace import Workspace
+from tests.conftest import wait_http
+from tests.servers import ServerThread
 
 from .test_engine import PROMPTS, ids_for
+
+CHAT = "/v1/chat/completions"
 
 ARMS = [0, 1, 2, 4]
 
@@ -54,6 +60,7 @@ def compiled_engines(tiny_models, cpu_gqa):
     return cut, selfd
 
 
+@pytest.mark.slow  # the one-request engine's compiled steps: benchmarks only; the loop serves
 def test_outputs_equal_target_only_for_every_arm_compiled_static_and_pruned(
     tiny_models, compiled_engines
 ):
@@ -233,3 +240,42 @@ def test_inductor_compiled_engine_is_lossless(tiny_models, cpu_gqa):
         for text in PROMPTS:
             for k in ARMS:
                 assert eng.generate(ids_for(tok, text), k, 24).token_ids == ref[text].token_ids
+
+
+def test_compiled_server_warms_before_health_and_bounds_context(tmp_path, monkeypatch):
+    """engine.compile on (the eager backend: dynamo graphs and guards, no codegen), a 64-token
+    context, target only: /health turns 200 only once the loop's steps are compiled and warm,
+    a streamed request says what a plain one says (the same loop), and a request longer than
+    the context gets a 400 that names the limit. (Every arm compiled:
+    tests/test_engine_compile.py.)"""
+    from pipeline.config import load_config
+    from pipeline.serving.core import build_core
+    from pipeline.workspace import Workspace
+
+    sets = ["engine.compile=true", "engine.backend=eager", "engine.max_context=64"]
+    cfg = load_config("configs/ci.yaml", sets)
+    cores = []
+
+    def load():
+        cores.append(build_core(cfg, Workspace(tmp_path / "art"), None, "target"))
+        return cores[0]
+
+    with ServerThread(create_app(load)) as s:
+        wait_http(s.url + "/health", timeout=120)
+        assert cores[0].compiled and cores[0].max_context == 64
+
+        def ask(max_tokens=12, **extra):
+            body = {"model": cfg.models.target, "messages": [{"role": "user", "content": "def"}],
+                    "max_tokens": max_tokens, **extra}  # fmt: skip
+            return requests.post(s.url + CHAT, json=body, timeout=60)
+
+        plain = ask().json()["choices"][0]["message"]["content"]
+        r = ask(stream=True)
+        events = [x[6:] for x in r.text.splitlines() if x.startswith("data: ")][:-1]
+        chunks = [json.loads(e)["choices"] for e in events]
+        assert "".join(c[0]["delta"].get("content", "") for c in chunks if c) == plain
+        r = ask(max_tokens=60)
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert "64 tokens" in err["message"] and "engine.max_context" in err["message"]
+        assert ask().status_code == 200  # and it keeps serving

@@ -189,6 +189,19 @@ def test_step_cost_shares_split_the_fixed_part_equally_and_tokens_by_row():
     assert plain == pytest.approx((0.02 + 0.01) / (0.04 + 0.06))
 
 
+def test_step_cost_curve_is_the_mean_time_per_size_bucket():
+    cost = StepCost()
+    assert cost.curve() == ()
+    for n, secs in [(1, 0.09), (1, 0.09), (5, 0.10), (16, 0.28), (17, 0.30)]:
+        cost.observe(n, secs)
+    (n1, s1), (n5, s5), (n16, s16) = cost.curve()  # 16 and 17 share a bucket
+    assert (n1, s1) == pytest.approx((1, 0.09)) and (n5, s5) == pytest.approx((5, 0.10))
+    assert 16 < n16 < 17 and 0.28 < s16 < 0.30  # weighted toward the later step
+    for _ in range(60):  # the machine slows: the bucket follows its recent steps
+        cost.observe(1, 0.2)
+    assert cost.curve()[0][1] == pytest.approx(0.2, rel=0.01)
+
+
 def test_a_qwen3_pair_runs_the_loop_exactly(model_cache):
     """The reference setup's architecture (q/k norms, tied embeddings), tiny: every arm through
     the lean runner equals target-only greedy decoding by transformers' forward."""

@@ -428,45 +428,6 @@ def test_metrics_count_what_the_requests_did(tiny_models, tmp_path):
     assert value("phoenix:generation_tokens_total") > 0
 
 
-def test_compiled_server_warms_before_health_and_bounds_context(tmp_path, monkeypatch):
-    """engine.compile on (the eager backend: dynamo graphs and guards, no codegen), a 64-token
-    context, target only: /health turns 200 only once the loop's steps are compiled and warm,
-    a streamed request says what a plain one says (the same loop), and a request longer than
-    the context gets a 400 that names the limit. (Every arm compiled:
-    tests/test_engine_compile.py.)"""
-    from pipeline.config import load_config
-    from pipeline.serving.core import build_core
-    from pipeline.workspace import Workspace
-
-    sets = ["engine.compile=true", "engine.backend=eager", "engine.max_context=64"]
-    cfg = load_config("configs/ci.yaml", sets)
-    cores = []
-
-    def load():
-        cores.append(build_core(cfg, Workspace(tmp_path / "art"), None, "target"))
-        return cores[0]
-
-    with ServerThread(create_app(load)) as s:
-        wait_http(s.url + "/health", timeout=120)
-        assert cores[0].compiled and cores[0].max_context == 64
-
-        def ask(max_tokens=12, **extra):
-            body = {"model": cfg.models.target, "messages": [{"role": "user", "content": "def"}],
-                    "max_tokens": max_tokens, **extra}  # fmt: skip
-            return requests.post(s.url + CHAT, json=body, timeout=60)
-
-        plain = ask().json()["choices"][0]["message"]["content"]
-        r = ask(stream=True)
-        events = [x[6:] for x in r.text.splitlines() if x.startswith("data: ")][:-1]
-        chunks = [json.loads(e)["choices"] for e in events]
-        assert "".join(c[0]["delta"].get("content", "") for c in chunks if c) == plain
-        r = ask(max_tokens=60)
-        assert r.status_code == 400
-        err = r.json()["error"]
-        assert "64 tokens" in err["message"] and "engine.max_context" in err["message"]
-        assert ask().status_code == 200  # and it keeps serving
-
-
 def test_ngram_mode_needs_no_draft_and_bad_modes_name_the_valid_arms(tiny_models):
     """A server without a draft model serves ngram:K (and a bandit over 0 and ngram arms); an
     unknown strategy, an unconfigured length or a draft arm there is a 400 naming the arms."""

@@ -117,8 +117,8 @@ class ServingCore:
             prompt_tokens=prompt_tokens,
             queue_depth=others,
             rows=min(batch.max_rows, others + 1),
-            step_cost=batch.cost.coefficients() if batch.cost.seen else None,
-            draft_cost=batch.draft_cost.coefficients() if batch.draft_cost.seen else None,
+            step_cost=batch.cost.curve() if batch.cost.seen else None,
+            draft_cost=batch.draft_cost.curve() if batch.draft_cost.seen else None,
             draft_rows=sum(1 for r in list(batch.rows) if r.dslot is not None),
         )
 
@@ -155,8 +155,8 @@ class ServingCore:
             # A reward earned (even in part) on a draft swapped out since is not the new one's.
             stale = arm.needs_draft and job.epoch != self.draft_epoch
             if decision is not None and not cancelled and not stale:
-                # The drift guard compares with plain at this load by the cost fit it ran on.
-                cost = self.scheduler.batch.cost.coefficients()
+                # The drift guard compares with plain at this load by the step costs measured now.
+                cost = self.scheduler.batch.cost.curve()
                 out.guard_event = self.policy.reward(decision, out, context, cost)
             req.future.set_result(out)
 

@@ -5,7 +5,7 @@ on fake time.
 `choose(context)`: the drift guard may hold a bandit request to plain generation (or make it
 probe the best speculative arm after a cool-down); otherwise the bandit chooses
 (`speculative.bandit`, `bandit.policy`). The context carries the batch the request joins: its
-rows and the step loop's cost fits.
+rows and the step loop's measured step costs.
 
 `reward(...)`: a finished bandit request teaches the bandit its goodput (`CoreResult.goodput`:
 tokens over what it cost the batch; alone, its own tokens/s) and the acceptance it saw per
@@ -35,6 +35,7 @@ from ..speculative.bandit import (
     GoodputBandit,
     load_bandit,
     save_bandit,
+    step_seconds,
 )
 
 log = logging.getLogger(__name__)
@@ -44,8 +45,8 @@ def plain_rate(context: Context) -> float | None:
     """Tokens/s a plain row gets at this context's load (None: no cost figures)."""
     if context.step_cost is None:
         return None
-    a, b = context.step_cost
-    return 1.0 / max(a / max(1, context.rows) + b, 1e-9)
+    n = max(1, context.rows)
+    return n / max(step_seconds(context.step_cost, n), 1e-9)
 
 
 class Policy:
@@ -87,8 +88,8 @@ class Policy:
         self, decision: Decision, result, context: Context, step_cost: tuple | None = None
     ) -> dict | None:
         """Teach the bandit one finished request (`result`: its CoreResult, chosen in
-        `context`); returns the drift guard's event, if any. `step_cost`: the step loop's cost
-        fit now (default the context's), for the guard's plain rate at the request's load."""
+        `context`); returns the drift guard's event, if any. `step_cost`: the step loop's measured
+        curve now (default the context's), for the guard's plain rate at the request's load."""
         res = result.result
         reward = result.goodput
         weight = max(res.cost_s or res.latency_s, 1e-6)  # an arm's mean: its tokens over its time

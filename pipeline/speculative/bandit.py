@@ -54,9 +54,36 @@ class Context:
     prompt_tokens: int = 0
     queue_depth: int = 0  # other requests in the batch or waiting to join it
     rows: int = 1  # rows in the batch once this one joins, itself included
-    step_cost: tuple[float, float] | None = None  # a target pass: a + b * tokens fed (s)
-    draft_cost: tuple[float, float] | None = None  # a draft pass: a + b * rows drafted for (s)
+    # Measured curves, ((n, seconds), ...) ascending (`step_seconds` reads them): a target pass
+    # against tokens fed, a draft pass against rows drafted for.
+    step_cost: tuple[tuple[float, float], ...] | None = None
+    draft_cost: tuple[tuple[float, float], ...] | None = None
     draft_rows: int = 0  # rows drafting with the draft model now (without this one)
+
+
+def step_seconds(curve: tuple[tuple[float, float], ...], n: float) -> float:
+    """Seconds of a pass of size `n` on a measured curve ((n, seconds) points, ascending):
+    linear between points; below the first, the first's time; past the last, the last
+    segment's slope (one point: time proportional to size: what was not measured is not
+    assumed cheap)."""
+    if not curve:
+        raise ValueError("no measured points")
+    (x0, y0) = curve[0]
+    if n <= x0:
+        return y0
+    for (x1, y1), (x2, y2) in zip(curve, curve[1:], strict=False):
+        if n <= x2:
+            return y1 + (y2 - y1) * (n - x1) / max(x2 - x1, 1e-9)
+    xl, yl = curve[-1]
+    if len(curve) == 1:
+        return yl * n / max(xl, 1e-9)
+    xp, yp = curve[-2]
+    return yl + max(0.0, (yl - yp) / max(xl - xp, 1e-9)) * (n - xl)
+
+
+def line(a: float, b: float) -> tuple[tuple[float, float], ...]:
+    """The curve of a pass costing a + b * n (tests, examples)."""
+    return ((1.0, a + b), (2.0, a + 2 * b))
 
 
 @dataclass(frozen=True)
@@ -346,19 +373,21 @@ class GoodputBandit(EpsilonGreedy):
     """The arm with the best predicted goodput at the load the request joins (policy `goodput`).
 
     Goodput is what a row commits per second of the batch's time it takes. For arm s:k at a
-    batch of n rows (the context's), with the step loop's cost fits (a target pass costs
-    a + b * tokens fed; a draft pass a_d + b_d * rows drafted for):
+    batch of n rows (the context's), with the step loop's measured curves (T(x): a target pass
+    feeding x tokens; D(m): a draft pass for m rows; `step_seconds`):
 
         tokens(s:k) = 1 + sum_{i<k} P_s[i]       P_s[i]: share of s's rounds that could guess
                                                   at position i whose guesses 1..i+1 were all
                                                   accepted
         fed(s:k)    = 1 + sum_{i<k} Q_s[i]       Q_s[i]: share of them that guessed there
-        cost(s:k)   = a / n + b * fed + [s = draft] * k * (a_d / n_d + b_d)
-        goodput     = tokens / cost              (arm 0: 1 / (a / n + b))
+        cost(s:k)   = T(n * fed) / n + [s = draft] * k * D(m) / m     (m: drafting rows)
+        goodput     = tokens / cost              (arm 0: n / T(n))
 
-    One client: a dominates and drafting pays as far as acceptance carries it; a full batch: b
-    dominates and every guess the target rejects costs as much as a token, so the policy drafts
-    less, then not at all. Acceptance is learnt per strategy and position from every request
+    (the row's share of a step in which every row did as it does: the steady state if the
+    choice holds). One client: a pass of a few tokens costs about one token's, and drafting
+    pays as far as acceptance carries it; a full batch: every token fed costs its full share,
+    so every guess the target rejects costs as much as a token, and the policy drafts less,
+    then not at all. Acceptance is learnt per strategy and position from every request
     (it does not depend on the load, nor on k for a greedy proposer), so what one client taught
     holds at sixteen, with no exploration per load. The counts decay (`decay` per round) so a
     drifting draft is followed. Warm-up and exploration are the plausible policy's: every arm in
@@ -381,21 +410,21 @@ class GoodputBandit(EpsilonGreedy):
         """Predicted goodput (tokens/s) of `arm` at this context; None: not known yet."""
         if context is None or context.step_cost is None:
             return None
-        a, b = context.step_cost
         n = max(1, context.rows)
         s, k = strategy_of(arm), int(str(arm).partition(":")[2] or 0)
         if not s or k == 0:
-            return 1.0 / max(a / n + b, 1e-9)
+            return n / max(step_seconds(context.step_cost, n), 1e-9)
         st = self.positions.get(s)
         top = self.top
         if st is None or any(st[i] <= 0 for i in range(min(k, top))):
             return None  # a position this arm guesses at was never measured
         elig, prop, acc = st[:top], st[top : 2 * top], st[2 * top :]
         tokens = 1 + sum(acc[i] / elig[i] for i in range(k))
-        cost = a / n + b * (1 + sum(prop[i] / elig[i] for i in range(k)))
+        fed = 1 + sum(prop[i] / elig[i] for i in range(k))
+        cost = step_seconds(context.step_cost, n * fed) / n  # every row as this one: its share
         if s == "draft" and context.draft_cost is not None:
-            ad, bd = context.draft_cost
-            cost += k * (ad / (context.draft_rows + 1) + bd)
+            m = context.draft_rows + 1
+            cost += k * step_seconds(context.draft_cost, m) / m
         return tokens / max(cost, 1e-9)
 
     def choose(self, context: Context | None = None) -> Decision:

@@ -20,7 +20,8 @@ Cost: a step's time is split among its rows (`StepCost`: time = a + b * tokens f
 online; a row's share = a / rows + b * its tokens, scaled so the shares sum to the step). A
 draft pass is split equally among the rows it drafted for. A row's `cost_s` is its prefill plus
 its shares: `tokens / cost_s` is what its arm cost the batch (the policy's reward, goodput).
-With one row the share is the whole step: tokens/s as a lone request sees them.
+With one row the share is the whole step: tokens/s as a lone request sees them. What the
+policy predicts with is `StepCost.curve()`: the measured time per step size.
 """
 
 from __future__ import annotations
@@ -37,13 +38,21 @@ from .runner import prepare
 
 
 class StepCost:
-    """Step time = a + b * n, fitted by exponentially weighted least squares over the steps
-    seen (`n`: tokens fed, or rows drafted for); the prior until they vary. Pure."""
+    """A step's time against its size `n` (tokens fed, or rows drafted for). Pure.
+
+    Two readings of the same steps: `curve()`, an exponentially weighted mean (n, seconds) per
+    size bucket (`BUCKETS`), which the policy reads as a piecewise-linear curve (on a CPU a
+    pass costs about the same from 1 to a few tokens, then grows with every token: one line
+    through both regimes is wrong at both ends); and `coefficients()`, a least-squares line
+    a + b * n over every step, which splits a step among its rows (`shares`)."""
+
+    BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
     def __init__(self, a: float = 1.0, b: float = 0.0, decay: float = 0.995):
         self.prior = (a, b)
         self.decay = decay
         self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.buckets: dict[int, list[float]] = {}  # bucket -> [weight, weight * n, weight * s]
 
     def observe(self, n: int, seconds: float) -> None:
         d = self.decay
@@ -52,10 +61,18 @@ class StepCost:
         self.sy = d * self.sy + seconds
         self.sxx = d * self.sxx + n * n
         self.sxy = d * self.sxy + n * seconds
+        key = max((x for x in self.BUCKETS if x <= n), default=1) if n < 768 else 768 * (n // 768)
+        w = self.buckets.setdefault(key, [0.0, 0.0, 0.0])
+        d = 0.9  # a bucket follows its own recent steps (the machine's load changes)
+        w[0], w[1], w[2] = d * w[0] + 1, d * w[1] + n, d * w[2] + seconds
 
     @property
     def seen(self) -> bool:
         return self.sw > 0
+
+    def curve(self) -> tuple[tuple[float, float], ...]:
+        """The measured (n, seconds) points, ascending in n: each bucket's weighted means."""
+        return tuple((w[1] / w[0], w[2] / w[0]) for _, w in sorted(self.buckets.items()))
 
     def coefficients(self) -> tuple[float, float]:
         """(a, b). Until the steps seen vary in size: their mean time as a, b = 0."""
