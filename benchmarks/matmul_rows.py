@@ -20,19 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.bench import hardware
+from pipeline.speculative.cpu import median_ms
 
 HIDDEN, INTER, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152
-
-
-def median_ms(fn, repeat: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000 * sorted(times)[repeat // 2]
 
 
 @torch.inference_mode()
@@ -40,10 +30,10 @@ def measure(rows: int, weights: list[torch.Tensor], head: torch.Tensor, repeat: 
     xs = {n: torch.randn(rows, n) for n in (HIDDEN, INTER)}
     x = xs[HIDDEN]
     blocks = head.split(8192)
-    layers = median_ms(lambda: [F.linear(xs[w.shape[1]], w) for w in weights], repeat)
-    plain = median_ms(lambda: F.linear(x, head), repeat)
-    skinny = median_ms(lambda: torch.mm(head, x.t()).t().contiguous(), repeat)
-    blocked = median_ms(lambda: torch.cat([F.linear(x, b) for b in blocks], 1), repeat)
+    layers = median_ms(lambda: [F.linear(xs[w.shape[1]], w) for w in weights], repeat, warm=3)
+    plain = median_ms(lambda: F.linear(x, head), repeat, warm=3)
+    skinny = median_ms(lambda: torch.mm(head, x.t()).t().contiguous(), repeat, warm=3)
+    blocked = median_ms(lambda: torch.cat([F.linear(x, b) for b in blocks], 1), repeat, warm=3)
     return f"| {rows} | {layers + plain:.1f} | {plain:.1f} | {skinny:.1f} | {blocked:.1f} |"
 
 

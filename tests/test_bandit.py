@@ -350,6 +350,11 @@ def goodput_bandit(arms=("0", "draft:2", "draft:4", "ngram:4"), **kw):
     )
 
 
+def line(a: float, b: float) -> tuple[tuple[float, float], ...]:
+    """The measured curve of a pass costing a + b * n (extended past its points by its slope)."""
+    return ((1.0, a + b), (2.0, a + 2 * b))
+
+
 def teach(b, arm, rounds, proposed, accepted):
     """One finished request of `arm`: `rounds` steps, these counts per position."""
     b.update(
@@ -366,7 +371,7 @@ def test_goodput_drafts_alone_and_stops_drafting_under_load():
     row's share of a step is a / rows + b * tokens fed. Alone, the fixed cost dominates and
     draft:4 wins; at 16 rows every rejected guess costs a token's worth and plain wins. No
     exploration per load was needed: what one client taught holds at sixteen."""
-    from pipeline.speculative.bandit import Context, line
+    from pipeline.speculative.bandit import Context
 
     b = goodput_bandit()
     for _ in range(4):
@@ -416,7 +421,7 @@ def test_goodput_reads_the_measured_curve_flat_for_a_few_tokens_then_steep():
 
 
 def test_goodput_explores_only_near_the_best_prediction():
-    from pipeline.speculative.bandit import Context, line
+    from pipeline.speculative.bandit import Context
 
     b = goodput_bandit(epsilon_start=1.0, epsilon_floor=1.0, explore_margin=0.3)
     for _ in range(4):
@@ -463,7 +468,7 @@ def test_the_drift_guard_judges_goodput_relative_to_plain_at_its_load():
     the guard compares is each figure over plain's predicted rate at that load."""
     from pipeline.config import BanditConfig
     from pipeline.serving.policy import plain_rate
-    from pipeline.speculative.bandit import Context, line
+    from pipeline.speculative.bandit import Context
 
     assert plain_rate(Context()) is None
     step = line(0.04, 0.01)

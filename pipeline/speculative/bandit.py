@@ -81,11 +81,6 @@ def step_seconds(curve: tuple[tuple[float, float], ...], n: float) -> float:
     return yl + max(0.0, (yl - yp) / max(xl - xp, 1e-9)) * (n - xl)
 
 
-def line(a: float, b: float) -> tuple[tuple[float, float], ...]:
-    """The curve of a pass costing a + b * n (tests, examples)."""
-    return ((1.0, a + b), (2.0, a + 2 * b))
-
-
 @dataclass(frozen=True)
 class Decision:
     arm: Hashable

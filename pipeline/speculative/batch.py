@@ -26,6 +26,7 @@ policy predicts with is `StepCost.curve()`: the measured time per step size.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ class StepCost:
     a + b * n over every step, which splits a step among its rows (`shares`)."""
 
     BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+    BUCKET_DECAY = 0.9  # a bucket follows its own recent steps (the machine's load changes)
 
     def __init__(self, a: float = 1.0, b: float = 0.0, decay: float = 0.995):
         self.prior = (a, b)
@@ -61,10 +63,10 @@ class StepCost:
         self.sy = d * self.sy + seconds
         self.sxx = d * self.sxx + n * n
         self.sxy = d * self.sxy + n * seconds
-        key = max((x for x in self.BUCKETS if x <= n), default=1) if n < 768 else 768 * (n // 768)
+        key = self.BUCKETS[max(0, bisect.bisect_right(self.BUCKETS, n) - 1)]  # the last: open
         w = self.buckets.setdefault(key, [0.0, 0.0, 0.0])
-        d = 0.9  # a bucket follows its own recent steps (the machine's load changes)
-        w[0], w[1], w[2] = d * w[0] + 1, d * w[1] + n, d * w[2] + seconds
+        k = self.BUCKET_DECAY
+        w[0], w[1], w[2] = k * w[0] + 1, k * w[1] + n, k * w[2] + seconds
 
     @property
     def seen(self) -> bool:

@@ -99,7 +99,7 @@ def choose_linears(model: torch.nn.Module, layers: int = 4, repeat: int = 3) -> 
             for w in sample:
                 _transposed(xs[w.shape[1]], w)
 
-        a, b = _median_ms(plain, repeat), _median_ms(wxt, repeat)
+        a, b = median_ms(plain, repeat), median_ms(wxt, repeat)
         transposed.append(b < a)
         ms.append((a, b))
     return LinearChoice(tuple(transposed), tuple(ms))
@@ -109,8 +109,10 @@ def _n_layers(model) -> int:
     return getattr(getattr(model, "config", None), "num_hidden_layers", 1) or 1
 
 
-def _median_ms(fn, repeat: int) -> float:
-    fn()
+def median_ms(fn, repeat: int, warm: int = 1) -> float:
+    """Median milliseconds of `repeat` calls of `fn`, after `warm` calls."""
+    for _ in range(warm):
+        fn()
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -136,9 +138,9 @@ def probe_dtypes(model: torch.nn.Module, layers: int = 4, repeat: int = 3) -> di
         total = 0.0
         for rows in PROBE_ROWS:
             xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=dtype) for w in ws}
-            plain = _median_ms(lambda xs=xs, ws=ws: [F.linear(xs[w.shape[1]], w) for w in ws],
+            plain = median_ms(lambda xs=xs, ws=ws: [F.linear(xs[w.shape[1]], w) for w in ws],
                                repeat)  # fmt: skip
-            wxt = _median_ms(lambda xs=xs, ws=ws: [_transposed(xs[w.shape[1]], w) for w in ws],
+            wxt = median_ms(lambda xs=xs, ws=ws: [_transposed(xs[w.shape[1]], w) for w in ws],
                              repeat)  # fmt: skip
             total += min(plain, wxt)
         out[str(dtype).replace("torch.", "")] = total
