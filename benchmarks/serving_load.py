@@ -57,6 +57,11 @@ def sweep(ep, model, prompts, args, extra, label) -> dict[int, dict]:
     return points
 
 
+def sampled(args) -> dict:
+    """The sampled protocol's request fields (`--temperature` > 0); greedy: none."""
+    return {"temperature": args.temperature} if args.temperature > 0 else {}
+
+
 def phoenix_sweep(args, cfg, ws) -> dict:
     prompts = loadtest.held_out_prompts(ws)
     state = ws.state / "bandit.json"
@@ -74,7 +79,7 @@ def phoenix_sweep(args, cfg, ws) -> dict:
             model = ep.model()
             modes = {}
             for mode in args.modes:
-                extra = {"phoenix": {**NO_CAPTURE, "mode": mode}}
+                extra = {"phoenix": {**NO_CAPTURE, "mode": mode}, **sampled(args)}
                 modes[mode] = sweep(ep, model, prompts, args, extra, f"phoenix {mode}")
     finally:
         state.unlink(missing_ok=True)
@@ -96,7 +101,7 @@ def vllm_sweep(args, cfg, ws) -> dict:
         with vllm.VllmServer(cfg, target, spec, log_path) as srv:
             ep = loadtest.Endpoint(srv.url)
             model = ep.model()
-            out[arm] = sweep(ep, model, prompts, args, None, f"vllm {arm}")
+            out[arm] = sweep(ep, model, prompts, args, sampled(args), f"vllm {arm}")
     return {"draft": served.describe(), "arms": out}
 
 
@@ -166,7 +171,9 @@ def markdown(results: dict) -> str:
     env = results["environment"]
     out = [f"# Serving under load\n\n{header(env)}\n",
            f"{results['requests']} requests per point (at least 2 per client), "
-           f"{results['tokens']} tokens each, {'streamed' if results['stream'] else 'unstreamed'}; "
+           f"{results['tokens']} tokens each, {'streamed' if results['stream'] else 'unstreamed'}, "
+           + (f"sampled at temperature {results['temperature']}"
+              if results.get("temperature") else "greedy") + "; "
            f"config {results['config']} {' '.join(results['sets'])}; Phoenix "
            + (f"at {results['url']} (already running)" if results.get("url") else
               f"ready after {results['phoenix']['ready_s']:.0f} s") + ".\n"]  # fmt: skip
@@ -202,6 +209,8 @@ def main() -> None:
     ap.add_argument("--vllm", nargs="*", default=[], help="vLLM arms: 0, draft:K, ngram:K")
     ap.add_argument("--set", action="append", default=[], help="config override for the server")
     ap.add_argument("--url", help="measure this running Phoenix server instead of starting one")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample at this temperature (0: greedy, the default)")  # fmt: skip
     ap.add_argument(
         "--no-stream", dest="stream", action="store_false",
         help="plain (unstreamed) requests, as the openai client sends by default: no TTFT",
@@ -212,7 +221,8 @@ def main() -> None:
     t0 = time.perf_counter()
     results = {"environment": environment(cfg), "config": args.config, "sets": args.set,
                "clients": args.clients, "requests": args.requests, "tokens": args.tokens,
-               "stream": args.stream, "url": args.url}  # fmt: skip
+               "stream": args.stream, "url": args.url,
+               "temperature": args.temperature}  # fmt: skip
     results["phoenix"] = phoenix_sweep(args, cfg, ws)
     if args.vllm:
         results["vllm"] = vllm_sweep(args, cfg, ws)

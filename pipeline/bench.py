@@ -8,7 +8,8 @@ held-out prompts in split order, greedy, batch size 1, `bench.max_new_tokens`, w
 requests excluded. Modes: target (no draft), fixed_K for K in `bench.fixed_arms`, bandit (fresh
 state per run by default); drafts: base (before training) and distilled (<artifacts>/merged).
 Every speculative output must equal the target-only output, token for token (exit 4 if not).
-Writes <artifacts>/bench/results.json, report.md and PNG plots.
+The sampled protocol (`bench.temperature` > 0): every request samples, seeded by its prompt, and
+the check is in distribution instead (`check_distribution`; exit 4 if it fails). Writes <artifacts>/bench/results.json, report.md and PNG plots.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 import os
 import platform
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,8 @@ from .errors import InputError, VerificationError
 from .serving.core import ServingCore, make_core
 from .serving.request import Request, fixed, parse_mode
 from .speculative.arms import parse_arm
+from .speculative.batch import sample_outputs
+from .speculative.sampling import GREEDY, Sampling, chi_square
 from .workspace import Workspace, atomic_write_json, atomic_write_text, read_jsonl
 
 log = logging.getLogger(__name__)
@@ -95,8 +99,14 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
     records = measure_all(cfg, ws, telemetry, drafts, rows, target, ids, engines)
     dtype = str(target.target.dtype).replace("torch.", "")
     margin = lossless_margin(cfg, dtype)
-    mismatches, near_ties = check_lossless(records, target, ids, margin)
+    distribution = None
+    if sampled(cfg):  # token identity does not apply: the outputs are checked in distribution
+        distribution = check_distribution(cfg, ws, drafts, target, ids)
+        mismatches, near_ties = distribution["failures"], []
+    else:
+        mismatches, near_ties = check_lossless(records, target, ids, margin)
     results = summarise(cfg, ws, drafts, records, mismatches, near_ties, dtype, margin)
+    results["distribution"] = distribution
     results["engine"] = engine_summary(cfg, records, engines)
     # Which weights each row measured: the server names a draft's acceptance only for these.
     results["draft_weights"] = {d: engines[d]["weights"] for d in drafts}
@@ -111,6 +121,73 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
             f"lossless check failed for {len(mismatches)} outputs: " + "; ".join(mismatches[:5])
         )
     return {"lossless": True, "rows": len(results["rows"])}
+
+
+def sampled(cfg: Config) -> bool:
+    return cfg.bench.temperature > 0
+
+
+def sampling_of(cfg: Config, prompt_index: int) -> Sampling:
+    """How the bench's request for prompt `prompt_index` draws: greedy, or (the sampled
+    protocol) at bench.temperature, seeded by the prompt (every mode draws with the same seed)."""
+    b = cfg.bench
+    if not sampled(cfg):
+        return GREEDY
+    return Sampling(b.temperature, b.top_p, b.top_k, seed=cfg.data.seed * 100_003 + prompt_index)
+
+
+DISTRIBUTION_TOKENS = 3  # output positions compared by the sampled protocol
+DISTRIBUTION_ALPHA = 1e-3  # family-wise: each comparison is judged at ALPHA / comparisons
+
+
+def check_distribution(cfg: Config, ws: Workspace, drafts, target, ids) -> dict[str, Any]:
+    """The sampled protocol's check: for the first bench.distribution_prompts prompts, the
+    first DISTRIBUTION_TOKENS tokens of bench.distribution_samples generations by each
+    measured arm against as many by the target alone, compared position by position with a
+    two-sample chi-square test (`sampling.chi_square`). A comparison fails below
+    DISTRIBUTION_ALPHA / comparisons (Bonferroni: a correct engine fails the whole check with
+    probability at most DISTRIBUTION_ALPHA)."""
+    b = cfg.bench
+    n, prompts = b.distribution_samples, ids[: b.distribution_prompts]
+    base = sampling_of(cfg, 0)
+
+    def samples(engine, arm: str, i: int, offset: int) -> tuple[list, int]:
+        s = replace(base, seed=offset * 1_000_003 + i * 10_007)
+        return sample_outputs(engine, prompts[i], parse_arm(arm), n, DISTRIBUTION_TOKENS, s)
+
+    reference = [samples(target.engine, "0", i, 0)[0] for i in range(len(prompts))]
+    runs = [("none", a, target.engine) for a in free_arms(cfg)]
+    draft_specs = {"base": cfg.models.draft, "distilled": str(ws.merged)}
+    rows = []
+    for draft in [None, *drafts]:
+        if draft is not None:
+            pair = models.load_pair(cfg, ws, draft_specs[draft], share_target=target)
+            runs = [(draft, a, pair.engine) for a in b.fixed_arms if parse_arm(a).needs_draft]
+        for j, (name, arm, engine) in enumerate(runs, start=1):
+            for i in range(len(prompts)):
+                outs, proposed = samples(engine, arm, i, j + 10 * (draft is not None))
+                for pos in range(DISTRIBUTION_TOKENS):
+                    stat, p = chi_square([o[pos] for o in outs], [o[pos] for o in reference[i]])
+                    rows.append({"draft": name, "arm": arm, "prompt_index": i, "position": pos,
+                                 "chi2": stat, "p_value": p, "proposed": proposed})  # fmt: skip
+    threshold = DISTRIBUTION_ALPHA / max(1, len(rows))
+    failures = [
+        f"{r['draft']}/{r['arm']} prompt {r['prompt_index']} position {r['position']}: "
+        f"p = {r['p_value']:.2e} < {threshold:.1e} (its tokens are not distributed as the "
+        "target's)"
+        for r in rows
+        if r["p_value"] < threshold
+    ]
+    return {
+        "samples": n,
+        "prompts": len(prompts),
+        "tokens": DISTRIBUTION_TOKENS,
+        "alpha": DISTRIBUTION_ALPHA,
+        "threshold": threshold,
+        "min_p_value": min((r["p_value"] for r in rows), default=None),
+        "comparisons": rows,
+        "failures": failures,
+    }
 
 
 def free_arms(cfg: Config) -> list[str]:
@@ -174,12 +251,15 @@ def measure_mode(cfg, telemetry, core, draft, mode_text, ids, rows, label=None) 
     warm_modes = [fixed(a) for a in core.bandit.arms] if mode.kind == "bandit" else [mode]
     for w in range(cfg.bench.warmup_requests):
         for warm in warm_modes:
-            core.generate(Request(ids[w % len(ids)], min(16, cfg.bench.max_new_tokens), warm))
+            core.generate(Request(ids[w % len(ids)], min(16, cfg.bench.max_new_tokens), warm,
+                                  sampling=sampling_of(cfg, w)))  # fmt: skip
     label = label or mode.name
     out = []
     for i, p in enumerate(tqdm(ids, desc=f"bench {draft}/{label}", unit="req", dynamic_ncols=True)):
         with telemetry.request(mode, core.draft_id) as rec:
-            res = core.generate(Request(p, cfg.bench.max_new_tokens, mode))
+            res = core.generate(
+                Request(p, cfg.bench.max_new_tokens, mode, sampling=sampling_of(cfg, i))
+            )
             rec.record(res)
         out.append(
             {
@@ -309,6 +389,9 @@ def summarise(
             "bandit_arms": cfg.bandit.arms,
             "bandit_state": cfg.bench.bandit_state,
             "bandit_policy": cfg.bandit.policy,
+            "temperature": cfg.bench.temperature,
+            "top_p": cfg.bench.top_p,
+            "top_k": cfg.bench.top_k,
         },
         "drafts": drafts,
         "draft_models": {d: (cfg.models.draft if d == "base" else str(ws.merged)) for d in drafts},

@@ -64,7 +64,12 @@ class TeacherConfig(Section):
     model: str | None = Field(None, description="Model id to ask for; default: the target spec.")
     api_key_env: str = Field("PHOENIX_TEACHER_API_KEY", description="Env var with the API key.")
     max_tokens: int = Field(256, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
+    temperature: float = Field(
+        0.0,
+        ge=0.0,
+        le=2.0,
+        description="0: greedy answers; above: sampled, seeded by task_id (a rerun draws the same).",
+    )
     enable_thinking: bool | None = Field(
         False, description="Sent as chat_template_kwargs.enable_thinking; null: not sent."
     )
@@ -242,6 +247,22 @@ class BenchConfig(Section):
         False,
         description="Also run the seed's bandit (bandit.policy=seed) on the same prompts, "
         "reported as mode bandit_seed.",
+    )
+    temperature: float = Field(
+        0.0,
+        ge=0.0,
+        le=2.0,
+        description="0: the greedy protocol (every output checked token for token against "
+        "target-only). Above: the sampled protocol: every request samples (seeded by prompt), and "
+        "the outputs are checked in distribution (distribution_prompts x distribution_samples).",
+    )
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="The sampled protocol's top_p.")
+    top_k: int = Field(0, ge=0, description="The sampled protocol's top_k (0: off).")
+    distribution_prompts: int = Field(
+        3, ge=0, description="Sampled protocol: prompts whose first tokens are compared."
+    )
+    distribution_samples: int = Field(
+        200, ge=10, description="Sampled protocol: generations per arm and prompt compared."
     )
 
     @field_validator("fixed_arms")
@@ -494,11 +515,6 @@ class Config(Section):
             raise ValueError(
                 f"train.objective={t.objective} with train.kd_source=teacher needs "
                 "train.top_logprobs (N <= 20): a teacher endpoint only returns its top-N"
-            )
-        if self.teacher.url == "local":
-            raise ValueError(
-                f"train.objective={t.objective}: the local teacher returns no logprobs; with "
-                "teacher.url=local use train.kd_source=target (the target's weights)"
             )
         return self
 

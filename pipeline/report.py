@@ -181,6 +181,39 @@ def engine_line(engine: dict) -> str:
     return f"Engine (engine.compile={engine['compile']}): " + "; ".join(parts) + "."
 
 
+def _decoding(results: dict) -> str:
+    p = results["protocol"]
+    t = p.get("temperature") or 0
+    if not t:
+        return "greedy"
+    cuts = "".join(
+        [
+            f", top_p {p['top_p']}" if p.get("top_p", 1) < 1 else "",
+            f", top_k {p['top_k']}" if p.get("top_k") else "",
+        ]  # fmt: skip
+    )
+    return f"sampled at temperature {t}{cuts} (seeded by prompt)"
+
+
+def _distribution_lines(ok: bool, d: dict) -> list[str]:
+    """The sampled protocol's check: per arm, the smallest p-value over prompts and positions."""
+    worst: dict[tuple, float] = {}
+    for c in d["comparisons"]:
+        key = (c["draft"], c["arm"])
+        worst[key] = min(worst.get(key, 1.0), c["p_value"])
+    lines = [
+        f"Lossless in distribution: **{'yes' if ok else 'NO'}** (the first {d['tokens']} tokens of "
+        f"{d['samples']} sampled generations per arm on {d['prompts']} prompts against as many "
+        f"target-only ones, chi-square two-sample test per position; a comparison fails below "
+        f"{d['threshold']:.1e}, family-wise {d['alpha']}).",
+        "",
+        "| draft | arm | smallest p-value |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {dr} | {arm} | {p:.3g} |" for (dr, arm), p in worst.items()]
+    return [*lines, ""]
+
+
 def markdown(results: dict) -> str:
     env = results["environment"]
     lines = [
@@ -188,19 +221,28 @@ def markdown(results: dict) -> str:
         "",
         f"Hardware: {env['hardware']}; device {env['device']}, {env['dtype']}, {env['threads']} threads; "
         f"torch {env['torch']}, transformers {env['transformers']}. Date: {env['date']}.",
-        f"Protocol: {results['protocol']['prompts']} held-out MBPP prompts, greedy, batch size 1, "
-        f"max_new_tokens {results['protocol']['max_new_tokens']}, {results['protocol']['warmup_requests']} "
-        "warm-up request(s) per run excluded. All numbers are from one run on this machine.",
-        "",
-        f"Lossless: **{'yes' if results['lossless'] else 'NO'}** (every speculative output "
-        f"{'equals' if results['lossless'] else 'must equal'} the target-only output token for token"
-        + (
-            f"; {len(results['near_ties'])} near-ties within bench.lossless_margin, listed below)."
-            if results.get("near_ties")
-            else ")."
-        ),
+        f"Protocol: {results['protocol']['prompts']} held-out MBPP prompts, {_decoding(results)}, "
+        f"batch size 1, max_new_tokens {results['protocol']['max_new_tokens']}, "
+        f"{results['protocol']['warmup_requests']} warm-up request(s) per run excluded. All "
+        "numbers are from one run on this machine.",
         "",
     ]
+    dist = results.get("distribution")
+    if dist:
+        lines += _distribution_lines(results["lossless"], dist)
+    else:
+        lines += [
+            f"Lossless: **{'yes' if results['lossless'] else 'NO'}** (every speculative output "
+            f"{'equals' if results['lossless'] else 'must equal'} the target-only output token "
+            "for token"
+            + (
+                f"; {len(results['near_ties'])} near-ties within bench.lossless_margin, listed "
+                "below)."
+                if results.get("near_ties")
+                else ")."
+            ),
+            "",
+        ]
     if results.get("engine"):
         lines += [engine_line(results["engine"]), ""]
     free = [r for r in results["rows"] if r["draft"] == "none"]  # target, ngram_K: no draft

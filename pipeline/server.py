@@ -46,6 +46,7 @@ from .serving.core import ServingCore, build_core
 from .serving.request import Cancelled, CoreResult, ModeError, Refused
 from .serving.request import Request as CoreRequest
 from .serving.scheduler import background
+from .speculative.sampling import MAX_TOP_LOGPROBS, Sampling
 from .telemetry import NullTelemetry, setup_telemetry
 from .traffic import TrafficLog
 
@@ -88,7 +89,10 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, "invalid_request_error", param, code)
 
 
-# --- request schemas (extra fields that OpenAI clients send are accepted and ignored) ---------
+# --- request schemas ---------------------------------------------------------------------------
+# Fields that change nothing (user, metadata, store, ...) are accepted; a field that would change
+# the answer and that Phoenix does not serve is refused with a 400 naming it (`UNSERVED`), never
+# silently ignored: a client must not get a different answer than it asked for.
 class PhoenixOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     mode: str | None = None
@@ -112,18 +116,65 @@ class Message(BaseModel):
         return self.content or ""
 
 
+def _neutral_penalty(v) -> bool:
+    return v in (None, 0, 0.0)
+
+
+def _no_tools(v) -> bool:
+    return v in (None, [], "none")
+
+
+# field -> (is the value one that changes nothing?, why it is refused otherwise)
+UNSERVED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "tools": (_no_tools, "tool calling is not served"),
+    "tool_choice": (_no_tools, "tool calling is not served"),
+    "functions": (_no_tools, "function calling is not served"),
+    "function_call": (_no_tools, "function calling is not served"),
+    "response_format": (
+        lambda v: v is None or (isinstance(v, dict) and v.get("type", "text") == "text"),
+        "only response_format type 'text' is served (no JSON mode or schemas)",
+    ),
+    "logit_bias": (lambda v: not v, "logit_bias is not served"),
+    "presence_penalty": (_neutral_penalty, "presence_penalty must be 0 or absent"),
+    "frequency_penalty": (_neutral_penalty, "frequency_penalty must be 0 or absent"),
+    "repetition_penalty": (lambda v: v in (None, 1, 1.0), "repetition_penalty must be 1"),
+    "min_p": (_neutral_penalty, "min_p must be 0 or absent"),
+    "best_of": (lambda v: v in (None, 1), "best_of > 1 is not served"),
+    "echo": (lambda v: not v, "echo is not served"),
+    "suffix": (lambda v: not v, "suffix is not served"),
+    "modalities": (lambda v: v in (None, ["text"]), "only text output is served"),
+    "audio": (lambda v: v is None, "audio output is not served"),
+    "prediction": (lambda v: v is None, "predicted outputs are not served"),
+}
+
+
 class CommonRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)  # vLLM's extension; 0: every token
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: int | None = None
     phoenix: PhoenixOptions | None = None
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:N"
+
+    def check_served(self) -> None:
+        """A 400 naming the first field that asks for what Phoenix does not serve."""
+        if self.n not in (None, 1):
+            raise bad_request(f"n = {self.n}: one choice per request is served (n must be 1)", "n")
+        extra = self.model_extra or {}
+        for name, (neutral, why) in UNSERVED.items():
+            if name in extra and not neutral(extra[name]):
+                raise bad_request(f"{name}: {why}", name, "unsupported_parameter")
+
+    def top_logprobs_asked(self) -> int | None:
+        raise NotImplementedError
 
     @field_validator("stop")
     @classmethod
@@ -139,10 +190,21 @@ class CommonRequest(BaseModel):
 class ChatRequest(CommonRequest):
     messages: list[Message] = Field(min_length=1)
     chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def top_logprobs_asked(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(CommonRequest):
     prompt: str | list[str]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the legacy API: top n
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -350,7 +412,8 @@ def body_too_large(st: ServerState) -> APIError:
 
 
 def _check(st: ServerState, core: ServingCore, req: CommonRequest, prompt_ids: list[int]):
-    """(max_tokens, mode) of a valid request; a 4xx APIError naming the problem otherwise."""
+    """(max_tokens, mode, sampling) of a valid request; a 4xx APIError naming the problem
+    otherwise."""
     if req.model != core.model_id:
         raise APIError(
             404,
@@ -359,10 +422,15 @@ def _check(st: ServerState, core: ServingCore, req: CommonRequest, prompt_ids: l
             "model",
             "model_not_found",
         )
-    if req.temperature not in (None, 0.0):
-        raise bad_request(
-            "Phoenix serves greedy decoding only: temperature must be 0 or absent", "temperature"
-        )
+    req.check_served()
+    # Absent temperature: greedy (Phoenix's default, where OpenAI's is 1): exact output.
+    sampling = Sampling(
+        temperature=req.temperature or 0.0,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        seed=req.seed,
+        logprobs=req.top_logprobs_asked(),
+    )
     max_tokens = req.max_completion_tokens or req.max_tokens or 256
     if max_tokens > st.max_tokens_limit:
         raise bad_request(
@@ -381,13 +449,13 @@ def _check(st: ServerState, core: ServingCore, req: CommonRequest, prompt_ids: l
         mode = core.mode(req.phoenix.mode if req.phoenix else None)
     except ModeError as exc:
         raise bad_request(str(exc), "phoenix.mode") from None
-    return max_tokens, mode
+    return max_tokens, mode, sampling
 
 
 async def _complete(request: Request, req: CommonRequest, prompt_ids: list[int], kind: str):
     st = _state(request)
     core = _ready_core(st)
-    max_tokens, mode = _check(st, core, req, prompt_ids)
+    max_tokens, mode, sampling = _check(st, core, req, prompt_ids)
     if st.closing:
         raise APIError(503, "server is shutting down", "server_error", None, "shutting_down")
     if not st.admission.try_enter():
@@ -404,11 +472,13 @@ async def _complete(request: Request, req: CommonRequest, prompt_ids: list[int],
     loop = asyncio.get_running_loop()
     pieces: asyncio.Queue | None = asyncio.Queue() if req.stream else None
 
-    def push(piece: str | None) -> None:  # from the scheduler's thread: never blocks
+    def push(text: str | None, logprobs: list | None = None) -> None:  # never blocks
         with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown)
-            loop.call_soon_threadsafe(pieces.put_nowait, piece)
+            loop.call_soon_threadsafe(pieces.put_nowait, None if text is None else (text, logprobs))
 
-    creq = CoreRequest(prompt_ids, max_tokens, mode, req.stop or [], push if pieces else None)
+    creq = CoreRequest(
+        prompt_ids, max_tokens, mode, req.stop or [], push if pieces else None, sampling=sampling
+    )
 
     def ended(_future) -> None:  # generation is over, whatever the client does
         with st.inflight_lock:
@@ -429,7 +499,13 @@ async def _complete(request: Request, req: CommonRequest, prompt_ids: list[int],
     except Exception as exc:  # noqa: BLE001 - answered like a failed step, never left hanging
         if not creq.future.done():
             creq.future.set_exception(exc)
-    reply = Reply(core.model_id, kind, len(prompt_ids), bool(req.phoenix and req.phoenix.token_ids))
+    reply = Reply(
+        core.model_id,
+        kind,
+        len(prompt_ids),
+        bool(req.phoenix and req.phoenix.token_ids),
+        tokens=TokenText(core.tokenizer, req.return_tokens_as_token_ids),
+    )
     if req.stream:
         include_usage = bool((req.stream_options or {}).get("include_usage"))
         return StreamingResponse(
@@ -477,9 +553,9 @@ async def _stream(creq, outcome, pieces, reply: Reply, include_usage: bool, watc
     cancelled if it still runs."""
     try:
         if reply.kind == "chat":
-            yield reply.chunk(None, None, role=True)
+            yield reply.chunk(None, None, None, role=True)
         while (piece := await pieces.get()) is not None:
-            yield reply.chunk(piece, None)
+            yield reply.chunk(*piece, None)
         try:
             res = await asyncio.shield(outcome)
         except Cancelled:
@@ -496,7 +572,7 @@ async def _stream(creq, outcome, pieces, reply: Reply, include_usage: bool, watc
                 }
             )
             return
-        yield reply.chunk(None, res.finish_reason)
+        yield reply.chunk(None, None, res.finish_reason)
         if include_usage:
             rec = res.record()
             yield reply.sse(
@@ -508,6 +584,21 @@ async def _stream(creq, outcome, pieces, reply: Reply, include_usage: bool, watc
         watcher.cancel()
 
 
+class TokenText:
+    """How a logprob entry names its token: its text (`tokenizer.decode([id])`), or vLLM's
+    `token_id:N` when the request asked `return_tokens_as_token_ids` (exact, where a byte-level
+    token's own text may be a fragment of a character)."""
+
+    def __init__(self, tokenizer, as_ids: bool = False):
+        self.tokenizer = tokenizer
+        self.as_ids = as_ids
+
+    def text(self, token_id: int) -> str:
+        if self.as_ids:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
+
 @dataclass
 class Reply:
     """Builds the OpenAI response bodies and SSE chunks of one request."""
@@ -516,11 +607,13 @@ class Reply:
     kind: str  # "chat" | "text"
     n_prompt: int
     token_ids: bool = False  # asked for with phoenix.token_ids
+    tokens: TokenText | None = None  # how a logprob entry names its token
     id: str = ""
     created: int = 0
 
     def __post_init__(self):
         self.id = ("chatcmpl-" if self.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self._streamed = 0  # characters of text sent in chunks so far
         self.created = int(time.time())
 
     def envelope(self, choices: list[dict], chunk: bool = True, **extra) -> dict:
@@ -541,7 +634,45 @@ class Reply:
     def sse(obj: dict) -> str:
         return "data: " + json.dumps(obj) + "\n\n"
 
-    def chunk(self, text: str | None, finish: str | None, role: bool = False) -> str:
+    def logprobs(self, entries: list | None, offset: int = 0) -> dict | None:
+        """OpenAI's logprobs object for these (token, logprob, top) entries: chat's `content`
+        list, or the legacy completions' four lists (`offset`: the text before them). None
+        when not asked for (a chunk: when it has none)."""
+        if entries is None:
+            return None
+        name = self.tokens.text
+        if self.kind == "chat":
+            return {
+                "content": [
+                    {
+                        "token": name(t),
+                        "logprob": lp,
+                        "bytes": list(name(t).encode("utf-8")),
+                        "top_logprobs": [
+                            {"token": name(a), "logprob": v, "bytes": list(name(a).encode("utf-8"))}
+                            for a, v in top
+                        ],
+                    }
+                    for t, lp, top in entries
+                ]
+            }
+        tokens = [name(t) for t, _, _ in entries]
+        offsets = []
+        for t, _, _ in entries:  # where each token's text starts in the answer
+            offsets.append(offset)
+            offset += len(self.tokens.tokenizer.decode([t]))
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [{name(a): v for a, v in top} for _, _, top in entries],
+            "text_offset": offsets,
+        }
+
+    def chunk(
+        self, text: str | None, logprobs: list | None, finish: str | None, role: bool = False
+    ) -> str:
+        lp = self.logprobs(logprobs or None, self._streamed)
+        self._streamed += len(text or "")
         if self.kind == "chat":
             delta = (
                 {"role": "assistant", "content": ""}
@@ -549,8 +680,10 @@ class Reply:
                 else ({"content": text} if text else {})
             )
             choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            if lp is not None:
+                choice["logprobs"] = lp
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lp}
         return self.sse(self.envelope([choice]))
 
     def body(self, res: CoreResult) -> dict:
@@ -559,14 +692,14 @@ class Reply:
                 "index": 0,
                 "message": {"role": "assistant", "content": res.text},
                 "finish_reason": res.finish_reason,
-                "logprobs": None,
+                "logprobs": self.logprobs(res.logprobs),
             }
         else:
             choice = {
                 "index": 0,
                 "text": res.text,
                 "finish_reason": res.finish_reason,
-                "logprobs": None,
+                "logprobs": self.logprobs(res.logprobs),
             }
         rec = res.record()
         ph = phoenix_of(rec)

@@ -247,10 +247,12 @@ class TeacherClient:
                 raise TypeError("content is not a string")
             usage = data.get("usage") or {}
             # The answer's exact token ids: Phoenix's `phoenix.token_ids`, vLLM's `token_ids`.
-            ids = (data.get("phoenix") or {}).get("token_ids") or choice.get("token_ids")
+            ids = (data.get("phoenix") or {}).get("token_ids")
+            if ids is None:
+                ids = choice.get("token_ids")
             content_lp = (choice.get("logprobs") or {}).get("content")
             logprobs = None
-            if content_lp:
+            if content_lp is not None:  # [] for an empty answer
                 logprobs = [
                     [
                         str(e["token"]),
@@ -441,7 +443,7 @@ def checked_logprobs(answer: Answer, task_id: int, url: str, cfg: Config) -> lis
     """The answer's per-token logprobs, refused when absent or when their tokens do not spell the
     answer (they must describe exactly the tokens the draft will learn)."""
     where = f"train.objective={cfg.train.objective} asks the teacher at {url} for top_logprobs"
-    if not answer.logprobs:
+    if not answer.logprobs and not (answer.completion == "" and answer.logprobs is not None):
         raise TeacherLogprobsMissing(
             f"{where}, and it returned none (task_id {task_id}): use a teacher that returns "
             "logprobs (vLLM, SGLang, TGI, OpenAI), or train.kd_source=target to read the "
@@ -485,6 +487,8 @@ def _answer_all(
         extra.update(logprobs=True, top_logprobs=n_logprobs)
     if t.url == "local":  # Phoenix's own server: the answer's exact token ids too
         extra["phoenix"] = {"token_ids": True}
+        if n_logprobs:  # and its logprobs' tokens as ids (exact)
+            extra["return_tokens_as_token_ids"] = True
     elif t.return_token_ids:  # vLLM's field for them (other servers may refuse it)
         extra["return_token_ids"] = True
     ws.teacher.mkdir(parents=True, exist_ok=True)
@@ -493,8 +497,10 @@ def _answer_all(
     bar = tqdm(total=len(todo), desc="teacher answers", unit="ans", dynamic_ncols=True)
 
     def one(p: dict) -> None:
+        # Sampled answers (teacher.temperature > 0) are seeded by task: a rerun draws the same.
+        seeded = {**extra, "seed": int(p["task_id"])} if t.temperature > 0 else extra
         answer, retries = client.chat(
-            model, [{"role": "user", "content": p["prompt"]}], t.max_tokens, t.temperature, extra
+            model, [{"role": "user", "content": p["prompt"]}], t.max_tokens, t.temperature, seeded
         )
         row = {
             "task_id": p["task_id"],

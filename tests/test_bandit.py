@@ -250,8 +250,9 @@ def test_contextual_policy_learns_a_different_best_arm_per_prompt_length():
     b = ContextualBandit(arms, random.Random(0), 1)
     b.update("ngram:4", 30.0, Context(50), acceptance=0.5)
     assert b.recent_acceptance == {"ngram": 0.5}
-    assert b.cell("ngram:4", Context(50, queue_depth=5)) == (0, 2, 2)  # short, loaded, high
-    assert b.cell("0", Context(600)) == (3, 0, -1)  # arm 0 has no acceptance
+    assert b.cell("ngram:4", Context(50, queue_depth=5)) == (0, 2, 2, 0)  # short, loaded, high
+    assert b.cell("0", Context(600)) == (3, 0, -1, 0)  # arm 0 has no acceptance; greedy
+    assert b.cell("0", Context(600, temperature=0.7))[-1] == 2  # sampled at 0.5-1
 
 
 def test_contextual_state_round_trips(tmp_path):

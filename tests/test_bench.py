@@ -162,6 +162,44 @@ def test_bench_base_only_and_missing_distilled(merged_ws, tmp_path, cli):
     )
 
 
+def test_sampled_protocol_checks_the_outputs_in_distribution(merged_ws, tmp_path, monkeypatch):
+    """bench.temperature > 0: every mode samples, the rows report tokens/s, speedup and
+    acceptance, and the outputs are checked in distribution; an acceptance rule that always
+    accepts fails the check (exit 4 through VerificationError)."""
+    from pipeline import bench
+    from pipeline.config import load_config
+    from pipeline.errors import VerificationError
+    from pipeline.speculative import batch
+    from pipeline.speculative.sampling import draw
+    from pipeline.telemetry import NullTelemetry
+    from pipeline.workspace import Workspace
+
+    art = tmp_path / "art"
+    shutil.copytree(merged_ws, art, ignore=shutil.ignore_patterns("bench"))
+    sets = ["bench.prompts=2", "bench.drafts=[base]", "bench.fixed_arms=[draft:2]",
+            "bench.temperature=0.8", "bench.top_k=12", "bench.distribution_prompts=1",
+            "bench.distribution_samples=300"]  # fmt: skip
+    cfg = load_config("configs/ci.yaml", sets)
+    bench.run(cfg, Workspace(art), NullTelemetry())
+    results = json.loads((art / "bench" / "results.json").read_text())
+    assert results["protocol"]["temperature"] == 0.8 and results["lossless"] is True
+    d = results["distribution"]
+    assert {(c["draft"], c["arm"]) for c in d["comparisons"]} == {("base", "draft:2")}
+    assert d["min_p_value"] > d["threshold"] and d["comparisons"][0]["proposed"] > 0
+    row = next(x for x in results["rows"] if x["mode"] == "fixed_2")
+    assert row["acceptance_rate"] is not None and row["speedup"] > 0
+    report = (art / "bench" / "report.md").read_text()
+    assert "sampled at temperature 0.8" in report and "Lossless in distribution: **yes**" in report
+
+    def always_accept(drafts, q, p, g):
+        return len(drafts), draw(p[len(drafts)], g)
+
+    monkeypatch.setattr(batch, "verify", always_accept)
+    with pytest.raises(VerificationError, match="not distributed as the target"):
+        bench.run(cfg, Workspace(art), NullTelemetry())
+    assert "Lossless in distribution: **NO**" in (art / "bench" / "report.md").read_text()
+
+
 def test_lossless_violation_is_reported_and_fails(merged_ws, tmp_path, monkeypatch):
     """Corrupt the speculative path on purpose: the bench must notice, list it and exit 4."""
     from pipeline import bench

@@ -81,10 +81,6 @@ def test_where_the_target_distribution_comes_from():
     "sets, words",
     [
         (["train.objective=kd", "train.kd_source=teacher"], ["train.top_logprobs"]),
-        (
-            ["train.objective=kd", "train.kd_source=teacher", "train.top_logprobs=5"],
-            ["teacher.url=local", "train.kd_source=target"],
-        ),
         (["train.top_logprobs=21"], ["train.top_logprobs"]),
         (["train.divergence=kl"], ["train.divergence"]),
     ],
@@ -191,6 +187,21 @@ def test_kd_learns_from_a_remote_teacher_top_logprobs(split_ws, tmp_path, cli):
     metrics = json.loads((split_ws / "adapter" / "metrics.json").read_text())
     assert metrics["kd_source"] == "teacher" and metrics["objective"] == "kd"
     assert metrics["last_loss"] < metrics["first_loss"]
+
+
+def test_the_local_teacher_gives_kd_its_logprobs_and_samples_when_asked(split_ws, cli):
+    """Phoenix's own server as the teacher: top_logprobs as token ids (exact), every answer
+    token with its top 3; at a temperature the answers are sampled, seeded by task."""
+    sets = ["distill.limit=3", "teacher.max_tokens=12", "train.objective=kd",
+            "train.kd_source=teacher", "train.top_logprobs=3", "teacher.temperature=0.9"]  # fmt: skip
+    r = cli("distill", *CI, "--artifacts", split_ws, *[x for s in sets for x in ("--set", s)])
+    assert r.returncode == 0, r.log
+    rows = _answers(split_ws)
+    assert len(rows) == 3 and any(row["completion_logprobs"] for row in rows)
+    for row in rows:
+        lps = row["completion_logprobs"]
+        assert [e[0] for e in lps] == [f"token_id:{i}" for i in row["completion_token_ids"]]
+        assert all(len(e[2]) == 3 and e[1] <= e[2][0][1] + 1e-6 for e in lps)
 
 
 def test_an_sft_answer_file_is_asked_again_for_logprobs(split_ws, tmp_path, cli):

@@ -105,7 +105,7 @@ def test_cancel_before_joining_and_mid_way_and_on_tokens_stop(engine):
         submit(loop, ids, 8, "draft:2", cancel=gone)
     seen = []
 
-    def stop_after_three(out):  # a stop string, as the serving layer decides it
+    def stop_after_three(out, _logprobs=None):  # a stop string, as the serving layer decides it
         seen.append(len(out))
         return len(out) >= 3
 
@@ -122,7 +122,7 @@ def test_a_failing_step_fails_its_rows_and_the_loop_goes_on(engine, monkeypatch)
     ids = user_prompt_ids(tok, PROMPTS[1])
     from pipeline.speculative import batch
 
-    real = batch.target_scores
+    real = batch.target_logits
     calls = {"n": 0}
 
     def broken(*a, **k):
@@ -131,7 +131,7 @@ def test_a_failing_step_fails_its_rows_and_the_loop_goes_on(engine, monkeypatch)
             raise RuntimeError("injected step failure")
         return real(*a, **k)
 
-    monkeypatch.setattr(batch, "target_scores", broken)
+    monkeypatch.setattr(batch, "target_logits", broken)
     with pytest.raises(RuntimeError, match="injected"):
         submit(loop, ids, 5, "0")
     res = submit(loop, ids, 5, "ngram:2")

@@ -175,11 +175,6 @@ def test_streaming_matches_non_streaming(server):
             "temperature",
         ),
         (
-            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 0.7},
-            400,
-            "temperature",
-        ),
-        (
             {
                 "model": "tiny",
                 "messages": [{"role": "user", "content": "x"}],

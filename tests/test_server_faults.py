@@ -376,7 +376,7 @@ def test_a_huge_body_is_refused_at_once_and_a_plain_request_is_not_held_up(tiny_
 def test_a_failed_step_is_a_500_naming_the_error_and_the_loop_goes_on(tiny_models, monkeypatch):
     from pipeline.speculative import batch
 
-    real = batch.target_scores
+    real = batch.target_logits
     calls = {"n": 0}
 
     def once_broken(*a, **k):
@@ -388,7 +388,7 @@ def test_a_failed_step_is_a_500_naming_the_error_and_the_loop_goes_on(tiny_model
     app = create_app(lambda: tiny_core(tiny_models, mode="fixed:2"), queue_size=4)
     with ServerThread(app) as s:
         wait_http(s.url + "/health")
-        monkeypatch.setattr(batch, "target_scores", once_broken)
+        monkeypatch.setattr(batch, "target_logits", once_broken)
         r = requests.post(s.url + CHAT, json=body(max_tokens=8), timeout=30)
         assert r.status_code == 500 and "injected step failure" in r.json()["error"]["message"]
         streamed = requests.post(s.url + CHAT, json=body(max_tokens=8, stream=True), timeout=30)

@@ -109,7 +109,7 @@ class ServingCore:
         return models.text_prompt_ids(self.tokenizer, text)
 
     # -- the hand-off -----------------------------------------------------------------------------
-    def context(self, prompt_tokens: int) -> Context:
+    def context(self, prompt_tokens: int, temperature: float = 0.0) -> Context:
         """What the policy sees of the batch a request would join now."""
         batch, s = self.scheduler.batch, self.scheduler
         others = s.running + s.waiting
@@ -120,19 +120,31 @@ class ServingCore:
             step_cost=batch.cost.curve() if batch.cost.seen else None,
             draft_cost=batch.draft_cost.curve() if batch.draft_cost.seen else None,
             draft_rows=sum(1 for r in list(batch.rows) if r.dslot is not None),
+            temperature=temperature,
         )
 
     def submit(self, req: Request) -> None:
         """Hand one request to the loop (does not block): `req.future` gets its CoreResult."""
-        context = self.context(len(req.prompt_ids))
+        context = self.context(len(req.prompt_ids), req.sampling.temperature)
         decision = self.policy.choose(context) if req.mode.kind == "bandit" else None
         arm = parse_arm(decision.arm) if decision else req.mode.arm
         tracker = TextTracker(self.tokenizer, req.stop)
+        sent = [0]  # tokens whose logprobs went out with their text
 
-        def on_tokens(out: list[int]) -> bool:
+        def covered(out: list[int], logprobs: list | None) -> list:
+            """Logprob entries (token, logprob, top) of the tokens whose text is now final."""
+            if logprobs is None:
+                return []
+            n = min(tracker.covered(out), len(logprobs))
+            entries = [(out[i], *logprobs[i]) for i in range(sent[0], n)]
+            sent[0] = max(sent[0], n)
+            return entries
+
+        def on_tokens(out: list[int], logprobs: list | None = None) -> bool:
             delta = tracker.update(out)
-            if delta and req.on_text is not None:
-                req.on_text(delta)
+            entries = covered(out, logprobs)
+            if (delta or entries) and req.on_text is not None:
+                req.on_text(delta, entries)
             return tracker.stopped
 
         def on_done(job: Job) -> None:
@@ -143,14 +155,19 @@ class ServingCore:
             if not tracker.stopped:
                 tracker.update(res.token_ids)
             tail = tracker.rest()
-            if tail and req.on_text is not None:
-                req.on_text(tail)
+            entries = covered(res.token_ids, res.logprobs)
+            if (tail or entries) and req.on_text is not None:
+                req.on_text(tail, entries)
             cancelled = req.cancel.is_set()
             # vLLM's name for a request whose client left: not a success, not a stop string.
             finish = "abort" if cancelled else ("stop" if tracker.stopped else res.finish_reason)
             out = CoreResult(
                 tracker.text, finish, req.mode, res, decision, tracker.stopped,
                 draft=self._labels.get(job.epoch), rows=context.rows,
+                temperature=req.sampling.temperature,
+                logprobs=None if res.logprobs is None else [
+                    (t, *e) for t, e in zip(res.token_ids[: sent[0]], res.logprobs, strict=False)
+                ],
             )  # fmt: skip
             # A reward earned (even in part) on a draft swapped out since is not the new one's.
             stale = arm.needs_draft and job.epoch != self.draft_epoch
@@ -161,7 +178,16 @@ class ServingCore:
             req.future.set_result(out)
 
         self.scheduler.submit(
-            Job(req.prompt_ids, req.max_tokens, arm, on_done, on_tokens, req.cancel, req.submitted)
+            Job(
+                req.prompt_ids,
+                req.max_tokens,
+                arm,
+                on_done,
+                on_tokens,
+                req.cancel,
+                req.submitted,
+                sampling=req.sampling,
+            )  # fmt: skip
         )
 
     def generate(self, req: Request, timeout: float | None = None) -> CoreResult:

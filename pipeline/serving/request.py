@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from ..speculative.arms import PLAIN, Arm, canonical, parse_arm
 from ..speculative.bandit import Decision
 from ..speculative.engine import GenerationResult
+from ..speculative.sampling import GREEDY, Sampling
 
 
 class ModeError(ValueError):
@@ -93,6 +94,9 @@ class CoreResult:
     guard_event: dict | None = None  # the drift guard fell back or recovered after this request
     draft: str | None = None  # the draft version it joined on
     rows: int = 1  # rows in the batch when it joined, itself included (the policy's load)
+    temperature: float = 0.0  # what it sampled at (0: greedy)
+    # Asked for: per token of `text`, (token id, logprob, [(token id, logprob), ...top n]).
+    logprobs: list | None = None
 
     @property
     def goodput(self) -> float:
@@ -129,6 +133,7 @@ class CoreResult:
             "tokens_per_second": r.tokens_per_second,
             "goodput": self.goodput,
             "batch_rows": r.batch_rows,
+            "temperature": self.temperature,
             "rows": self.rows,
             "explored": d.explored if d else None,
             "warmup": d.warmup if d else None,
@@ -143,18 +148,21 @@ class Request:
     """One request as the server (or the bench, or the local teacher) hands it to the core,
     once: what to generate, in which mode, and where its text goes. The core answers through
     `future`: a `CoreResult`, `Cancelled` if `cancel` was set before it joined, or the error
-    that failed it. `on_text(delta)` gets the final text as it grows (stop strings held back),
-    from the scheduler's thread: it must not block. Set `cancel` (a client gone, a shutdown) and
+    that failed it. `on_text(delta, logprobs)` gets the final text as it grows (stop strings
+    held back) with the logprob entries of the tokens that spell it (empty unless asked), from
+    the scheduler's thread: it must not block. `sampling`: greedy unless asked (then drawn
+    losslessly with speculation), and logprobs if asked. Set `cancel` (a client gone, a shutdown) and
     the request leaves after the current step with the text so far."""
 
     prompt_ids: list[int]
     max_tokens: int
     mode: Mode
     stop: list[str] = field(default_factory=list)
-    on_text: Callable[[str], None] | None = None
+    on_text: Callable[[str, list], None] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
     future: Future = field(default_factory=Future)
     submitted: float = field(default_factory=time.perf_counter)
+    sampling: Sampling = GREEDY  # temperature, top_p, top_k, seed, logprobs
 
     def result(self, timeout: float | None = None) -> CoreResult:
         return self.future.result(timeout)

@@ -26,6 +26,7 @@ import torch
 from ..speculative.arms import Arm
 from ..speculative.batch import Row, RowBatch
 from ..speculative.engine import GenerationResult
+from ..speculative.sampling import GREEDY, Sampling
 from .request import Cancelled, Refused
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class Job:
-    """One request as the loop runs it. `on_tokens(output_so_far)` runs after each step that
-    added tokens; True ends the row (a stop string). `cancel` set: the row leaves after the
+    """One request as the loop runs it. `on_tokens(output_so_far, logprobs_so_far)` runs after
+    each step that added tokens (logprobs: None unless asked); True ends the row (a stop string). `cancel` set: the row leaves after the
     current step with its output so far (before it joins: `Cancelled`). `on_done(job)` runs
     once at the end with `result` or `error` set, and `epoch` the draft epoch it joined on."""
 
@@ -42,12 +43,13 @@ class Job:
     max_tokens: int
     arm: Arm
     on_done: Callable[[Job], None]
-    on_tokens: Callable[[list[int]], bool] | None = None
+    on_tokens: Callable[[list[int], list | None], bool] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     result: GenerationResult | None = None
     error: BaseException | None = None
     epoch: int = -1
+    sampling: Sampling = GREEDY
 
 
 def background(fn: Callable[[], object], name: str) -> threading.Thread:
@@ -180,7 +182,7 @@ class Scheduler:
         if not jobs:
             return
         try:
-            rows = self.batch.join([(j, j.prompt, j.max_tokens, j.arm) for j in jobs])
+            rows = self.batch.join([(j, j.prompt, j.max_tokens, j.arm, j.sampling) for j in jobs])
         except Exception as exc:  # noqa: BLE001 - only the joiners fail
             log.exception("prefill failed for %d joining requests", len(jobs))
             for job in jobs:
@@ -193,7 +195,7 @@ class Scheduler:
     def _step(self) -> None:
         def on_tokens(row: Row) -> bool:
             job: Job = row.key
-            stop = job.on_tokens is not None and job.on_tokens(row.out)
+            stop = job.on_tokens is not None and job.on_tokens(row.out, row.logprobs)
             return stop or job.cancel.is_set()
 
         try:

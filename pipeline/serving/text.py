@@ -12,6 +12,8 @@ class TextTracker:
         self.emitted = 0
         self.text = ""
         self.stopped = False
+        self._ends: list[int] = []  # the length of the text of the first j + 1 tokens
+        self._covered = 0
 
     def update(self, ids: list[int]) -> str:
         """Feed the full output so far; returns the new final text (may be empty)."""
@@ -34,6 +36,18 @@ class TextTracker:
         delta = text[self.emitted : safe] if safe > self.emitted else ""
         self.emitted = max(self.emitted, safe)
         return delta
+
+    def covered(self, ids: list[int]) -> int:
+        """How many of the output's first tokens spell only text already emitted: the tokens
+        whose logprobs may go out with it."""
+        while len(self._ends) < len(ids):
+            j = len(self._ends)
+            self._ends.append(len(self.tokenizer.decode(ids[: j + 1], skip_special_tokens=True)))
+        n = self._covered
+        while n < len(ids) and self._ends[n] <= self.emitted:
+            n += 1
+        self._covered = n
+        return n
 
     def rest(self) -> str:
         delta = self.text[self.emitted :]

@@ -17,7 +17,7 @@ what keeps the bandit close to the best single arm when one arm dominates.
 `ContextualBandit` (policy `contextual`) is the plausible policy with context: the caller passes
 a `Context` (prompt length, queue depth) to `choose` and `update`, and each arm's value in a
 context cell (prompt-length bucket x load bucket x that arm's strategy's recent-acceptance
-bucket) is its mean there shrunk towards its global mean, (n_c m_c + w m) / (n_c + w), so a cell
+bucket x temperature bucket) is its mean there shrunk towards its global mean, (n_c m_c + w m) / (n_c + w), so a cell
 with few rewards behaves like the context-free policy and warm-up stays one pull per arm.
 
 `DriftGuard` watches the rewards: when the speculative arm the bandit exploits delivers less
@@ -59,6 +59,14 @@ class Context:
     step_cost: tuple[tuple[float, float], ...] | None = None
     draft_cost: tuple[tuple[float, float], ...] | None = None
     draft_rows: int = 0  # rows drafting with the draft model now (without this one)
+    temperature: float = 0.0  # the request's sampling temperature (acceptance falls as it rises)
+
+
+TEMPERATURE_BUCKETS = (1e-5, 0.5, 1.0)  # greedy, below 0.5, 0.5 to 1, 1 and above
+
+
+def temperature_bucket(context: Context | None) -> int:
+    return 0 if context is None else bisect_right(TEMPERATURE_BUCKETS, context.temperature)
 
 
 def step_seconds(curve: tuple[tuple[float, float], ...], n: float) -> float:
@@ -292,6 +300,7 @@ class ContextualBandit(EpsilonGreedy):
             bisect_right(PROMPT_BUCKETS, context.prompt_tokens),
             bisect_right(LOAD_BUCKETS, context.queue_depth),
             -1 if acc is None else bisect_right(ACCEPTANCE_BUCKETS, acc),
+            temperature_bucket(context),
         )
 
     def value(self, arm, context: Context | None) -> float:
@@ -382,9 +391,10 @@ class GoodputBandit(EpsilonGreedy):
     choice holds). One client: a pass of a few tokens costs about one token's, and drafting
     pays as far as acceptance carries it; a full batch: every token fed costs its full share,
     so every guess the target rejects costs as much as a token, and the policy drafts less,
-    then not at all. Acceptance is learnt per strategy and position from every request
-    (it does not depend on the load, nor on k for a greedy proposer), so what one client taught
-    holds at sixteen, with no exploration per load. The counts decay (`decay` per round) so a
+    then not at all. Acceptance is learnt per strategy, position and temperature bucket from
+    every request (it does not depend on the load, nor on k for a greedy proposer; it falls as
+    the temperature rises: a bucket not measured yet borrows the greedy figures), so what one
+    client taught holds at sixteen, with no exploration per load. The counts decay (`decay` per round) so a
     drifting draft is followed. Warm-up and exploration are the plausible policy's: every arm in
     turn, then with probability epsilon an arm whose prediction is within `explore_margin` of
     the best (an arm predicted clearly slower at this load is never explored there). Without
@@ -398,8 +408,14 @@ class GoodputBandit(EpsilonGreedy):
         # strategy -> [rounds that could guess at position i..., proposed at i..., accepted at i...]
         self.positions: dict[str, list[float]] = {}
 
-    def _stats(self, strategy: str) -> list[float]:
-        return self.positions.setdefault(strategy, [0.0] * (3 * self.top))
+    def _stats(self, key: str) -> list[float]:
+        return self.positions.setdefault(key, [0.0] * (3 * self.top))
+
+    @staticmethod
+    def _key(strategy: str, context: Context | None) -> str:
+        """Acceptance is kept per strategy and temperature bucket: `ngram`, `ngram@2`, ..."""
+        b = temperature_bucket(context)
+        return f"{strategy}@{b}" if b else strategy
 
     def predict(self, arm, context: Context | None) -> float | None:
         """Predicted goodput (tokens/s) of `arm` at this context; None: not known yet."""
@@ -409,7 +425,8 @@ class GoodputBandit(EpsilonGreedy):
         s, k = strategy_of(arm), int(str(arm).partition(":")[2] or 0)
         if not s or k == 0:
             return n / max(step_seconds(context.step_cost, n), 1e-9)
-        st = self.positions.get(s)
+        # Acceptance at this temperature; until it is measured, the greedy figures stand in.
+        st = self.positions.get(self._key(s, context)) or self.positions.get(s)
         top = self.top
         if st is None or any(st[i] <= 0 for i in range(min(k, top))):
             return None  # a position this arm guesses at was never measured
@@ -458,7 +475,7 @@ class GoodputBandit(EpsilonGreedy):
         if rounds <= 0 or k == 0:
             return
         with self._lock:
-            st = self._stats(s)
+            st = self._stats(self._key(s, context))
             keep = self.decay**rounds
             for i in range(len(st)):
                 st[i] *= keep
@@ -469,8 +486,9 @@ class GoodputBandit(EpsilonGreedy):
                 st[2 * top + i] += acc[i]
 
     def _forget_more(self, arms) -> None:
-        for s in {strategy_of(a) for a in arms}:
-            self.positions.pop(s, None)
+        gone = {strategy_of(a) for a in arms}
+        for key in [k for k in self.positions if k.partition("@")[0] in gone]:
+            self.positions.pop(key)
 
     def state(self) -> dict:
         out = super().state()

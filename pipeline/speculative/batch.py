@@ -12,9 +12,14 @@ and leave when they finish, are cancelled or fail. One step:
      n-gram rows by lookup; plain rows none;
   2. one target pass over every row's `[last, d1..dk]` (ragged: each row its own length, 0
      guesses included);
-  3. each row's acceptance (the longest prefix the target agrees with, plus the target's own
-     next token) and its own cache rollback. Every committed token is the target's greedy
-     choice, so each row's output is its target-only greedy output, whatever ran beside it.
+  3. each row's acceptance and its own cache rollback. A greedy row (temperature 0) keeps the
+     longest prefix the target agrees with, plus the target's own next token: every committed
+     token is the target's greedy choice, so its output is its target-only greedy output,
+     whatever ran beside it. A sampled row accepts by speculative sampling (`sampling.verify`),
+     its guesses drawn from its proposer's distribution, each token drawn with the row's own
+     generator: its output is distributed as the target's samples are.
+A row asking for logprobs gets, per committed token, the target's log-probability and its top
+alternatives, from the same pass (`sampling.top_logprobs`).
 
 Cost: a step's time is split among its rows (`StepCost`: time = a + b * tokens fed, fitted
 online; a row's share = a / rows + b * its tokens, scaled so the shares sum to the step). A
@@ -29,13 +34,16 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import torch
 
 from .arms import Arm
 from .engine import GenerationResult, SpeculativeEngine
 from .proposers import NgramProposer
-from .rows import RowCache, draft_next, prefill, target_scores
+from .rows import RowCache, draft_scores, prefill, split_rows, target_logits
 from .runner import prepare
+from .sampling import GREEDY, Sampling, draw, probabilities_of, top_logprobs, verify
 
 
 class StepCost:
@@ -108,6 +116,10 @@ class Row:
     tslot: int
     dslot: int | None = None
     ngram: NgramProposer | None = None
+    sampling: Sampling = GREEDY
+    gen: object = None  # the row's torch.Generator (sampled rows)
+    q: list = field(default_factory=list)  # the draft's distribution for each guess (sampled)
+    logprobs: list | None = None  # per token: (logprob, [(token, logprob), ...])
     seq: list[int] = field(default_factory=list)  # prompt + committed output
     out: list[int] = field(default_factory=list)
     drafts: list[int] = field(default_factory=list)
@@ -141,6 +153,7 @@ class Row:
             cost_s=self.cost_s,
             queued_s=queued_s,
             batch_rows=self.rows_seen / self.rounds if self.rounds else 1.0,
+            logprobs=self.logprobs,
         )
 
 
@@ -168,6 +181,7 @@ class RowBatch:
         self.max_rows_seen = 0
         self._tcache: RowCache | None = None
         self._dcache: RowCache | None = None
+        self._vocab: int | None = None  # the target's vocabulary (sampled draft rows)
 
     @property
     def room(self) -> int:
@@ -212,8 +226,15 @@ class RowBatch:
         self._tcache = self._dcache = None
         return rows
 
-    def join(self, items: Sequence[tuple[object, Sequence[int], int, Arm]]) -> list[Row]:
-        """Add rows `(key, prompt, max_tokens, arm)` (at most `room`; each `check`ed first):
+    def join(
+        self,
+        items: Sequence[
+            tuple[object, Sequence[int], int, Arm]
+            | tuple[object, Sequence[int], int, Arm, Sampling]
+        ],
+    ) -> list[Row]:
+        """Add rows `(key, prompt, max_tokens, arm[, sampling])` (at most `room`; each `check`ed first;
+        sampling default greedy):
         their prompts prefilled, one batched pass per model. If the prefill fails, the joiners
         are released and the error raised; the rows already running are untouched."""
         if len(items) > self.room:
@@ -221,7 +242,8 @@ class RowBatch:
         tc, dc = self._caches()
         now = time.perf_counter()
         joined = []
-        for key, prompt, max_tokens, arm in items:
+        for key, prompt, max_tokens, arm, *rest in items:
+            sampling = rest[0] if rest else GREEDY
             drafting = arm.needs_draft and dc is not None
             joined.append(
                 Row(
@@ -234,6 +256,9 @@ class RowBatch:
                     tslot=tc.alloc(),
                     dslot=dc.alloc() if drafting else None,
                     ngram=NgramProposer() if arm.strategy == "ngram" and arm.k > 0 else None,
+                    sampling=sampling,
+                    gen=sampling.generator(),
+                    logprobs=[] if sampling.logprobs is not None else None,
                     seq=list(prompt),
                     proposed_pos=[0] * arm.k,
                     accepted_pos=[0] * arm.k,
@@ -285,7 +310,7 @@ class RowBatch:
         rows = list(self.rows)
         for r in rows:
             k = min(r.arm.k, r.max_tokens - len(r.out) - 1, self.limit - len(r.seq) - 1)
-            r.k_eff, r.drafts = max(0, k), []
+            r.k_eff, r.drafts, r.q = max(0, k), [], []
         # 1. proposals
         for r in rows:
             if r.ngram is not None and r.k_eff > 0:
@@ -295,8 +320,8 @@ class RowBatch:
         tc, dc = self._caches()
         feeds = [[r.seq[-1], *r.drafts] for r in rows]
         t1 = time.perf_counter()
-        preds = target_scores(self.engine.target, tc, [r.tslot for r in rows], feeds,
-                              self.engine.pad_token_id)  # fmt: skip
+        logits = target_logits(self.engine.target, tc, [r.tslot for r in rows], feeds)
+        preds = split_rows(logits.argmax(-1).tolist(), feeds)
         t2 = time.perf_counter()
         fed = [len(f) for f in feeds]
         self.cost.observe(sum(fed), t2 - t1)
@@ -305,15 +330,32 @@ class RowBatch:
         # 3. acceptance and rollback, row by row
         eos = self.engine.eos_token_ids
         finished = []
-        for r, p, share in zip(rows, preds, shares, strict=True):
-            r.verify_s += (t2 - t1) * share
-            r.cost_s += (t2 - t1) * share
-            r.rows_seen += len(rows)
+        pass_s = t2 - t1
+        mine = logits.split([len(p) for p in preds])  # each row's scores, one per fed token
+        sampled = [i for i, r in enumerate(rows) if not r.sampling.greedy]
+        probs = dict(zip(sampled, probabilities_of([mine[i] for i in sampled],
+                                                   [rows[i].sampling for i in sampled]),
+                         strict=True))  # fmt: skip
+        shared = (time.perf_counter() - t2) / max(1, len(sampled))
+        for j, (r, p, share) in enumerate(zip(rows, preds, shares, strict=True)):
+            r0 = time.perf_counter()
             d = r.drafts
-            m = 0
-            while m < len(d) and d[m] == p[m]:
-                m += 1
-            new = d[:m] + [p[m]]
+            if r.sampling.greedy:
+                m = 0
+                while m < len(d) and d[m] == p[m]:
+                    m += 1
+                new = d[:m] + [p[m]]
+            else:
+                q = torch.stack(r.q) if r.q else None
+                m, nxt = verify(d, q, probs[j], r.gen)
+                new = d[:m] + [nxt]
+            if r.logprobs is not None:
+                r.logprobs += top_logprobs(mine[j][: len(new)], new, r.sampling.logprobs)
+            # Its own draws and logprobs (a greedy row: ~0).
+            own = time.perf_counter() - r0 + (0.0 if r.sampling.greedy else shared)
+            r.verify_s += pass_s * share + own
+            r.cost_s += pass_s * share + own
+            r.rows_seen += len(rows)
             r.rounds += 1
             r.proposed += len(d)
             r.accepted += m
@@ -327,6 +369,8 @@ class RowBatch:
             for i, tok in enumerate(new):
                 if tok in eos:
                     new, hit_eos = new[:i], True
+                    if r.logprobs is not None:
+                        del r.logprobs[len(r.out) + i :]
                     break
             r.seq += new
             r.out += new
@@ -350,19 +394,73 @@ class RowBatch:
         _, dc = self._caches()
         drafter = self.engine.drafter
         head, ids = drafter.step.args
-        pad = self.engine.pad_token_id
         active = rows
         feeds = [r.seq[dc.lengths[r.dslot] :] for r in rows]
         i = 0
         while active:
             t0 = time.perf_counter()
-            toks = draft_next(drafter.model, dc, [r.dslot for r in active], feeds, pad, head, ids)
+            scores = draft_scores(drafter.model, dc, [r.dslot for r in active], feeds, head)
+            best = scores.argmax(-1)
+            toks = (best if ids is None else ids[best]).tolist()
             dt = time.perf_counter() - t0
             self.draft_cost.observe(len(active), dt)
-            for r, t in zip(active, toks, strict=True):
-                r.drafts.append(t)
-                r.draft_s += dt / len(active)
-                r.cost_s += dt / len(active)
+            # A sampled row draws its guess from the draft's distribution, kept for verify.
+            r0 = time.perf_counter()
+            sampled = [j for j, r in enumerate(active) if not r.sampling.greedy]
+            qs = probabilities_of(
+                [scores[j] for j in sampled], [active[j].sampling for j in sampled]
+            )
+            for j, q in zip(sampled, qs, strict=True):
+                r = active[j]
+                pick = draw(q, r.gen)
+                toks[j] = pick if ids is None else int(ids[pick])
+                r.q.append(self._full(q, ids))
+            shared = (time.perf_counter() - r0) / max(1, len(sampled))
+            for j, r in enumerate(active):
+                own = 0.0 if r.sampling.greedy else shared
+                r.drafts.append(toks[j])
+                r.draft_s += dt / len(active) + own
+                r.cost_s += dt / len(active) + own
             i += 1
             active = [r for r in active if r.k_eff > i]
             feeds = [[r.drafts[-1]] for r in active]
+
+    def _full(self, q: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+        """A draft distribution over the target's vocabulary (a pruned head's: zero elsewhere;
+        a draft with a smaller vocabulary: zero-padded)."""
+        if self._vocab is None:
+            self._vocab = self.engine.target.get_output_embeddings().weight.shape[0]
+        if ids is None and q.shape[-1] == self._vocab:
+            return q
+        full = q.new_zeros(self._vocab)
+        if ids is None:
+            n = min(q.shape[-1], self._vocab)
+            full[:n] = q[:n]
+        else:
+            full[ids] = q
+        return full
+
+
+def sample_outputs(
+    engine: SpeculativeEngine,
+    prompt: Sequence[int],
+    arm: Arm,
+    n: int,
+    tokens: int,
+    sampling: Sampling,
+    rows: int = 16,
+) -> tuple[list[tuple], int]:
+    """`n` sampled generations of `prompt` by `arm`, `rows` at a time in one batch, seeded
+    `sampling.seed + i` (a distribution check's samples): each output's first `tokens` tokens
+    as a tuple, padded with None after an end of turn; and the guesses proposed."""
+    seed0 = sampling.seed or 0
+    batch = RowBatch(engine, max_rows=rows)
+    outs, proposed = [], 0
+    for start in range(0, n, rows):
+        batch.join([(i, prompt, tokens, arm, replace(sampling, seed=seed0 + i))
+                    for i in range(start, min(n, start + rows))])  # fmt: skip
+        while batch.rows:
+            for row, _ in batch.step():
+                proposed += row.proposed
+                outs.append(tuple(row.out[:tokens]) + (None,) * (tokens - len(row.out)))
+    return outs, proposed

@@ -49,6 +49,8 @@ class GenerationResult:
     cost_s: float | None = None  # the step loop: its prefill plus its shares of the steps
     queued_s: float = 0.0  # the step loop: from submission to joining
     batch_rows: float = 1.0  # the step loop: the mean number of rows in its steps
+    # Asked for (`Sampling.logprobs`): per token (logprob, [(token id, logprob), ...top n]).
+    logprobs: list | None = None
 
     @property
     def output_tokens(self) -> int:

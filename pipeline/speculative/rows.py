@@ -254,16 +254,29 @@ def _head(model, hidden: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
+def target_logits(
+    model, cache: RowCache, slots: Sequence[int], feeds: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """Feed each row its tokens; returns the target's logits after every fed token, the rows'
+    feeds one after another ([sum of feed lengths, vocab])."""
+    return _head(model, _hidden(model, cache, slots, feeds))
+
+
+def split_rows(flat: list, feeds: Sequence[Sequence[int]]) -> list[list]:
+    """A flattened per-token list cut back into one list per row."""
+    out, i = [], 0
+    for f in feeds:
+        out.append(flat[i : i + len(f)])
+        i += len(f)
+    return out
+
+
+@torch.inference_mode()
 def target_scores(
     model, cache: RowCache, slots: Sequence[int], feeds: Sequence[Sequence[int]], pad_id: int = 0
 ) -> list[list[int]]:
     """Feed each row its tokens; returns each row's greedy choice after every fed token."""
-    preds = _head(model, _hidden(model, cache, slots, feeds)).argmax(-1).tolist()
-    out, i = [], 0
-    for f in feeds:
-        out.append(preds[i : i + len(f)])
-        i += len(f)
-    return out
+    return split_rows(target_logits(model, cache, slots, feeds).argmax(-1).tolist(), feeds)
 
 
 @torch.inference_mode()
@@ -278,6 +291,22 @@ def prefill(
 
 
 @torch.inference_mode()
+def draft_scores(
+    model,
+    cache: RowCache,
+    slots: Sequence[int],
+    feeds: Sequence[Sequence[int]],
+    head: torch.Tensor | None,
+) -> torch.Tensor:
+    """The draft's logits for each row's next token after its feed ([rows, V]); with `head`
+    (rows of the output embedding for a pruned vocabulary) only those tokens are scored, in
+    the head's order ([rows, len(head)])."""
+    hidden = _hidden(model, cache, slots, feeds)
+    ends = torch.tensor([len(f) for f in feeds]).cumsum(0) - 1
+    h = hidden[ends.to(hidden.device)]
+    return _head(model, h) if head is None else F.linear(h, head)
+
+
 def draft_next(
     model,
     cache: RowCache,
@@ -289,9 +318,5 @@ def draft_next(
 ) -> list[int]:
     """The draft's greedy next token for each row after its feed; with `head` (rows of the
     output embedding for `head_ids`) only those tokens are scored."""
-    hidden = _hidden(model, cache, slots, feeds)
-    ends = torch.tensor([len(f) for f in feeds]).cumsum(0) - 1
-    h = hidden[ends.to(hidden.device)]
-    if head is None:
-        return _head(model, h).argmax(-1).tolist()
-    return head_ids[F.linear(h, head).argmax(-1)].tolist()
+    best = draft_scores(model, cache, slots, feeds, head).argmax(-1)
+    return (best if head_ids is None else head_ids[best]).tolist()
