@@ -78,7 +78,7 @@ def run_stage(stage: str, cfg: Config, ws: Workspace, args: argparse.Namespace, 
     config beside its outputs (only on success, so a failed run never relabels the outputs of
     an earlier good one)."""
     if stage == "demo":
-        with ws.lock("demo"):
+        with ws.lock("demo", timing=cfg.lock):
             for s in DEMO_STAGES:
                 log.info("=== demo: %s ===", s)
                 run_stage(s, cfg, ws, args, telemetry)
@@ -105,7 +105,7 @@ def run_stage(stage: str, cfg: Config, ws: Workspace, args: argparse.Namespace, 
 
         server.serve(cfg, ws, args.host, args.port, args.mode)
         return
-    with ws.lock(stage), telemetry.stage(stage) as figures:
+    with ws.lock(stage, timing=cfg.lock), telemetry.stage(stage) as figures:
         if stage == "split":
             from . import split
 

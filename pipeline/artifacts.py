@@ -12,6 +12,7 @@ functions here; this module imports nothing of Phoenix but `workspace`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -58,7 +59,9 @@ def is_verified(folder: str | Path) -> bool:
 
 
 def weights_id(folder: str | Path) -> str | None:
-    """sha256 of a model directory's weights file (its index when sharded); None if none."""
+    """sha256 of a model directory's weights: its weights file; for a sharded checkpoint, of its
+    index's hash and every shard's name and hash (two drafts with one index and different shards
+    differ). None if it has none."""
     folder = Path(folder)
     meta = folder / VERIFIED  # merge records the hash it verified
     if meta.is_file() and (folder / "model.safetensors").is_file():
@@ -66,8 +69,20 @@ def weights_id(folder: str | Path) -> str | None:
         if known:
             return known
     for name in WEIGHTS:
-        if (folder / name).is_file():
-            return sha256_file(folder / name)
+        path = folder / name
+        if not path.is_file():
+            continue
+        if not name.endswith(".index.json"):
+            return sha256_file(path)
+        try:
+            shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            shards = []
+        h = hashlib.sha256(sha256_file(path).encode())
+        for shard in shards:
+            s = folder / shard
+            h.update(f"\n{shard}:{sha256_file(s) if s.is_file() else 'missing'}".encode())
+        return h.hexdigest()
     return None
 
 

@@ -173,6 +173,11 @@ class ServerConfig(Section):
         description="Request bodies over this size are refused with 413 before they are read.",
     )
     api_key_env: str = Field("PHOENIX_API_KEY", description="Env var; when set, bearer auth.")
+    allow_unauthenticated_admin: bool = Field(
+        False,
+        description="Without an API key on an address other than loopback, POST /admin/* is "
+        "refused (403 admin_disabled) unless this is true.",
+    )
     max_tokens_limit: int = Field(4096, ge=1, description="Largest max_tokens accepted.")
     shutdown_timeout_s: float = Field(
         10.0,
@@ -461,6 +466,27 @@ class VllmConfig(Section):
         return sorted(cs)
 
 
+class LockConfig(Section):
+    """<artifacts>/phoenix.lock: one job per workspace."""
+
+    heartbeat_s: float = Field(30.0, gt=0, description="How often the holder refreshes it.")
+    stale_after_s: float = Field(
+        600.0,
+        gt=0,
+        description="A lock from another host not refreshed for this long is taken over (its "
+        "holder, a pod evicted mid-run, is gone).",
+    )
+
+    @model_validator(mode="after")
+    def _stale_after_beats(self) -> LockConfig:
+        if self.stale_after_s <= 2 * self.heartbeat_s:
+            raise ValueError(
+                f"lock.stale_after_s ({self.stale_after_s}) must exceed twice lock.heartbeat_s "
+                f"({self.heartbeat_s}): a live holder would look stale"
+            )
+        return self
+
+
 class Config(Section):
     models: ModelsConfig = Field(default_factory=ModelsConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -477,6 +503,7 @@ class Config(Section):
     retrain: RetrainConfig = Field(default_factory=RetrainConfig)
     traffic: TrafficConfig = Field(default_factory=TrafficConfig)
     vllm: VllmConfig = Field(default_factory=VllmConfig)
+    lock: LockConfig = Field(default_factory=LockConfig)
 
     def template_kwargs(self) -> dict[str, Any]:
         """Chat-template switches for every prompt Phoenix renders (Qwen3's enable_thinking)."""

@@ -26,7 +26,7 @@ from typing import Any
 from . import bench, drafts, merge, models, publish, split, teacher, traffic, train
 from .artifacts import acceptance_of, current_run, point_current
 from .config import Config
-from .errors import GateRejected, InputError
+from .errors import ConfigError, GateRejected, InputError
 from .workspace import Workspace, atomic_write_json, content_hash, new_run_id, sha256_file
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ def run(cfg: Config, root: Path, telemetry, resume: str | None = None) -> dict[s
             log.info("retrain: nothing to do: %s", why)
             return {"status": "nothing_to_do", "reason": why}
         log.info("retrain on traffic: %s", why)
-    with Workspace(root).lock("retrain", run_id):
+    with Workspace(root).lock("retrain", run_id, cfg.lock):
         ws = Workspace(root / "runs" / run_id, cache=root / "cache")
         info_file = ws.root / "run.json"
         info = (
@@ -124,10 +124,22 @@ def run(cfg: Config, root: Path, telemetry, resume: str | None = None) -> dict[s
             else {
                 "run_id": run_id,
                 "status": "running",
+                "data": cfg.retrain.data,
                 "stages": {},
                 "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
         )
+        # A run learns from one source: resuming it with another would mix both in one run.
+        started_on = info.get("data") or ("traffic" if (ws.root / TRAFFIC_SINCE).exists() else
+                                          "mbpp" if info.get("stages") else None)  # fmt: skip
+        if started_on is not None and started_on != cfg.retrain.data:
+            raise ConfigError(
+                f"run {run_id} ({ws.root}) started on retrain.data={started_on}; resuming it with "
+                f"retrain.data={cfg.retrain.data} would mix both in one run: resume it with "
+                f"retrain.data={started_on}, or let it end before starting a "
+                f"{cfg.retrain.data} run"
+            )
+        info.setdefault("data", cfg.retrain.data)
         log.info(
             "retrain: %s run %s in %s", "resuming" if resuming else "starting", run_id, ws.root
         )

@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -265,6 +267,7 @@ class ServerState:
     traffic: TrafficLog | None = None  # traffic.capture
     reloader: DraftReloader | None = None  # hot swap of the draft
     stopping: threading.Event = field(default_factory=threading.Event)  # ends the watcher
+    admin_open: bool = True  # POST /admin/* allowed (a key, a loopback address, or opted in)
 
 
 async def _watch_disconnect(request: Request, creq: CoreRequest, poll_s: float = 0.1) -> None:
@@ -328,9 +331,20 @@ async def list_models(request: Request):
 @router.post("/admin/reload-draft")
 async def reload_draft(request: Request):
     """Swap in the draft `server.draft` names now (the newly promoted one, with `latest`).
-    Behind the API key when one is set. 200 with what happened; 500 when the new draft failed
-    to load (the old one keeps serving)."""
+    Behind the API key when one is set; without a key on an address other than loopback, 403
+    unless `server.allow_unauthenticated_admin`. 200 with what happened; 500 when the new draft
+    failed to load (the old one keeps serving)."""
     st = _state(request)
+    if not st.admin_open:
+        raise APIError(
+            403,
+            "admin endpoints are disabled: this server listens beyond loopback without an API "
+            "key; set the key's environment variable (server.api_key_env) or "
+            "server.allow_unauthenticated_admin=true",
+            "permission_error",
+            None,
+            "admin_disabled",
+        )
     _ready_core(st)
     if st.reloader is None:
         raise bad_request("this server runs without a draft: nothing to reload")
@@ -720,10 +734,14 @@ def create_app(
     reloader: Callable[[Callable[[], ServingCore | None], Metrics], DraftReloader] | None = None,
     reload_poll_s: float = 0.0,
     max_body_kb: int = 1024,
+    host: str = "127.0.0.1",
+    allow_unauthenticated_admin: bool = False,
 ) -> FastAPI:
     """`load_core` runs in a background thread at start-up; /health says 503 until it is done.
     `traffic_log`: capture served requests. `reloader(get_core, metrics)`: hot swaps of the
-    draft (POST /admin/reload-draft), polling every `reload_poll_s` when > 0."""
+    draft (POST /admin/reload-draft), polling every `reload_poll_s` when > 0. `host`: the
+    address it will listen on: beyond loopback and without an API key, one WARNING now and the
+    admin endpoints answer 403 unless `allow_unauthenticated_admin`."""
     st = ServerState(
         telemetry=telemetry or NullTelemetry(),
         admission=Admission(queue_size),
@@ -733,6 +751,17 @@ def create_app(
         shutdown_timeout_s=shutdown_timeout_s,
         max_body_bytes=max_body_kb * 1024,
     )
+    if st.api_key is None and not is_loopback(host):
+        st.admin_open = allow_unauthenticated_admin
+        log.warning(
+            "listening on %s without an API key: anyone who reaches the port may generate%s; "
+            "set %s to require a bearer token",
+            host,
+            " and swap the draft (server.allow_unauthenticated_admin)"
+            if allow_unauthenticated_admin
+            else " (admin endpoints are disabled: 403)",
+            api_key_env,
+        )
     st.metrics = Metrics(
         queue_depth=lambda: st.admission.count,
         running=lambda: st.core.generating if st.core is not None else 0,
@@ -789,7 +818,8 @@ def create_app(
     async def _gate(request: Request, call_next):
         """The API key (when set), and the body limit before a byte of the body is read."""
         if st.api_key and request.url.path not in ("/health", "/metrics"):
-            if request.headers.get("authorization", "") != f"Bearer {st.api_key}":
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, f"Bearer {st.api_key}".encode()):  # constant time
                 return APIError(
                     401,
                     "invalid or missing API key",
@@ -843,15 +873,25 @@ def phoenix_of(rec: dict) -> dict:
     return {k: rec[k] for k in PHOENIX_FIELDS}
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) only listens on this machine."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # another host name: it may resolve to any interface
+        return False
+
+
 def serve(cfg, ws, host: str | None, port: int | None, mode: str | None) -> None:
-    app = build_app(cfg, ws, mode)
     host = host or cfg.server.host
+    app = build_app(cfg, ws, mode, host)
     port = cfg.server.port if port is None else port
     log.info("listening on http://%s:%d", host, port)
     run_server(app, host, port)
 
 
-def build_app(cfg, ws, mode: str | None = None) -> FastAPI:
+def build_app(cfg, ws, mode: str | None = None, host: str | None = None) -> FastAPI:
     """The app `serve` runs: the draft resolved (`server.draft`) and checked now, so a missing
     or unloadable one exits 2 before anything listens; models load in the background."""
     mode = mode or cfg.server.mode
@@ -891,6 +931,8 @@ def build_app(cfg, ws, mode: str | None = None) -> FastAPI:
         stuck_after_s=cfg.server.stuck_after_s,
         shutdown_timeout_s=cfg.server.shutdown_timeout_s,
         max_body_kb=cfg.server.max_body_kb,
+        host=host or cfg.server.host,
+        allow_unauthenticated_admin=cfg.server.allow_unauthenticated_admin,
     )
 
 

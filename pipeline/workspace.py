@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import calendar
 import contextlib
 import hashlib
 import json
@@ -20,6 +21,8 @@ from .errors import LockHeld
 log = logging.getLogger(__name__)
 
 LOCK_NAME = "phoenix.lock"
+LOCK_HEARTBEAT_S = 30.0  # defaults of the config's `lock` section
+LOCK_STALE_AFTER_S = 600.0
 
 
 class Workspace:
@@ -82,9 +85,14 @@ class Workspace:
     def lock_file(self) -> Path:
         return self.root / LOCK_NAME
 
-    def lock(self, job: str, run_id: str | None = None) -> contextlib.AbstractContextManager:
-        """This workspace's lock, held for the duration of a stage (see `workspace_lock`)."""
-        return workspace_lock(self.lock_file, job, run_id)
+    def lock(
+        self, job: str, run_id: str | None = None, timing=None
+    ) -> contextlib.AbstractContextManager:
+        """This workspace's lock, held for the duration of a stage (see `workspace_lock`);
+        `timing`: the config's `lock` section (heartbeat_s, stale_after_s)."""
+        if timing is None:
+            return workspace_lock(self.lock_file, job, run_id)
+        return workspace_lock(self.lock_file, job, run_id, timing.heartbeat_s, timing.stale_after_s)
 
 
 # --- one job per workspace -----------------------------------------------------------------
@@ -103,12 +111,22 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def workspace_lock(path: Path, job: str, run_id: str | None = None) -> Iterator[None]:
-    """Hold `path` (linked into place whole, JSON naming its holder: pid, host, job, run, start) while the
-    block runs. A second process gets `LockHeld` (exit 6) at once, naming the holder; a lock
-    left by a dead process on this host is cleared. Re-entrant within one process, so `retrain`
-    and `demo` hold it across the stages they run. In a distributed launch (torchrun,
-    accelerate) rank 0 holds it for the whole job; the other ranks work under it."""
+def workspace_lock(
+    path: Path,
+    job: str,
+    run_id: str | None = None,
+    heartbeat_s: float = LOCK_HEARTBEAT_S,
+    stale_after_s: float = LOCK_STALE_AFTER_S,
+) -> Iterator[None]:
+    """Hold `path` (linked into place whole, JSON naming its holder: pid, host, job, run, start,
+    heartbeat) while the block runs. A second process gets `LockHeld` (exit 6) at once, naming
+    the holder; a lock left by a dead process on this host is cleared. The holder refreshes its
+    heartbeat every `heartbeat_s`; a lock from another host whose heartbeat is older than
+    `stale_after_s` (a pod evicted mid-run: its pid cannot be checked from here) is taken over
+    with a WARNING naming the old holder, while a live holder elsewhere is respected.
+    Re-entrant within one process, so `retrain` and `demo` hold it across the stages they run.
+    In a distributed launch (torchrun, accelerate) rank 0 holds it for the whole job; the other
+    ranks work under it."""
     if os.environ.get("RANK", "0").strip() not in ("", "0"):  # a non-zero rank of a launch
         yield
         return
@@ -133,28 +151,63 @@ def workspace_lock(path: Path, job: str, run_id: str | None = None) -> Iterator[
         "job": job,
         "run_id": run_id,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "heartbeat": time.time(),
+        "token": os.urandom(8).hex(),  # this holding, whatever the pid (pids repeat across pods)
     }
     # The holder is written to a private file first and linked into place: whoever reads the
     # lock sees a whole record, never an empty file being written.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
     tmp.write_text(json.dumps(me))
     try:
-        _take_lock(path, tmp, me)
+        _take_lock(path, tmp, me, stale_after_s)
     finally:
         tmp.unlink(missing_ok=True)
     with _held_guard:
         _held[path.resolve()] = 1
+    stop = threading.Event()
+    beat = threading.Thread(
+        target=_heartbeat, args=(path, me, heartbeat_s, stop), name="phoenix-lock", daemon=True
+    )
+    beat.start()
     try:
         yield
     finally:
+        stop.set()
+        beat.join(5)
         with _held_guard:
             _held.pop(path.resolve(), None)
         with contextlib.suppress(OSError, ValueError):  # release only our own lock
-            if json.loads(path.read_text()).get("pid") == me["pid"]:
+            if json.loads(path.read_text()).get("token") == me["token"]:
                 path.unlink()
 
 
-def _take_lock(path: Path, tmp: Path, me: dict) -> None:
+def _heartbeat(path: Path, me: dict, every_s: float, stop: threading.Event) -> None:
+    """Refresh the lock's heartbeat until `stop`; stop refreshing a lock no longer ours (taken
+    over as stale: the job goes on, and says so)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.beat")
+    while not stop.wait(every_s):
+        try:
+            if json.loads(path.read_text()).get("token") != me["token"]:
+                log.error("lost the lock %s to another job (taken over as stale)", path)
+                return
+            tmp.write_text(json.dumps({**me, "heartbeat": time.time()}))
+            os.replace(tmp, path)
+        except (OSError, ValueError) as exc:
+            log.warning("lock %s: heartbeat not written: %s", path, exc)
+
+
+def _last_sign_of_life(holder: dict) -> float | None:
+    """Epoch seconds of the holder's last heartbeat (a lock written before heartbeats: its
+    start), None if it says neither."""
+    if isinstance(holder.get("heartbeat"), int | float):
+        return float(holder["heartbeat"])
+    try:
+        return float(calendar.timegm(time.strptime(holder["started"], "%Y-%m-%dT%H:%M:%SZ")))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _take_lock(path: Path, tmp: Path, me: dict, stale_after_s: float) -> None:
     for _ in range(3):
         try:
             os.link(tmp, path)  # atomic: fails if the lock exists
@@ -165,17 +218,33 @@ def _take_lock(path: Path, tmp: Path, me: dict) -> None:
             except (OSError, ValueError):
                 holder = {}
             same_host = holder.get("host") == me["host"]
-            if holder and (not same_host or _alive(int(holder.get("pid", -1)))):
+            life = _last_sign_of_life(holder)
+            silent_s = time.time() - life if life is not None else None
+            stale_elsewhere = not same_host and silent_s is not None and silent_s > stale_after_s
+            if (
+                holder
+                and not stale_elsewhere
+                and (not same_host or _alive(int(holder.get("pid", -1))))
+            ):
                 run = f", run {holder['run_id']}" if holder.get("run_id") else ""
                 raise LockHeld(
                     f"another Phoenix job holds {path}: {holder.get('job', 'retrain')} "
                     f"(pid {holder.get('pid')} on {holder.get('host')}{run}, since "
                     f"{holder.get('started')}); wait for it to finish, or use another "
-                    "--artifacts (a job on another host that is gone: remove the file)"
+                    f"--artifacts (a lock whose holder is silent for {stale_after_s:.0f} s, "
+                    "lock.stale_after_s, is taken over)"
                 ) from None
-            log.warning(
-                "clearing a stale lock %s (holder %s is gone)", path, holder or "unreadable"
-            )
+            if stale_elsewhere:
+                log.warning(
+                    "taking over the lock %s: its holder %s (pid %s on %s, run %s) last "
+                    "refreshed it %.0f s ago (lock.stale_after_s %.0f)",
+                    path, holder.get("job"), holder.get("pid"), holder.get("host"),
+                    holder.get("run_id"), silent_s, stale_after_s,
+                )  # fmt: skip
+            else:
+                log.warning(
+                    "clearing a stale lock %s (holder %s is gone)", path, holder or "unreadable"
+                )
             path.unlink(missing_ok=True)
     raise LockHeld(f"could not take the lock {path}")
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .. import models
+from ..artifacts import weights_id
 from ..config import Config
 from ..speculative.arms import parse_arm
 from ..speculative.bandit import Context
@@ -206,7 +207,7 @@ class ServingCore:
             batch.set_engine(pair.engine)
             self.pair, self.draft_id, self.draft_info = pair, draft_id, draft_info
             self._labels[batch.epoch] = draft_id
-            self.policy.forget_draft_arms()
+            self.policy.forget_draft_arms(draft_weights_of(pair))
             return time.perf_counter() - t0
 
         paused = self.scheduler.call(swap)
@@ -217,6 +218,14 @@ class ServingCore:
         """Stop the loop (waiting requests hear `Cancelled`) and write the policy's state."""
         self.scheduler.stop(timeout)
         self.policy.save()
+
+
+def draft_weights_of(pair: models.Pair) -> str | None:
+    """The served draft's weights id (its directory's hash; a Hub id or cut spec: the text)."""
+    ref = pair.draft_ref
+    if ref is None:
+        return None
+    return (weights_id(ref) if Path(ref).is_dir() else None) or str(ref)
 
 
 def build_core(
@@ -256,9 +265,10 @@ def make_core(
     `bandit.policy`."""
     has_draft = pair.draft_ref is not None
     arms = [a for a in cfg.bandit.arms if has_draft or not parse_arm(a).needs_draft] or ["0"]
+    weights = draft_weights_of(pair) if state_file is not None else None
     return ServingCore(
         pair,
-        make_policy(cfg.bandit, arms, state_file, policy, clock),
+        make_policy(cfg.bandit, arms, state_file, policy, clock, draft_weights=weights),
         model_id=cfg.models.served_name or cfg.models.target,
         draft_id=draft_id if has_draft else None,
         draft_info=draft_info if has_draft else None,

@@ -12,11 +12,15 @@ tokens over what it cost the batch; alone, its own tokens/s) and the acceptance 
 position. The drift guard judges the same figure relative to what plain generation would have
 delivered at that load (`plain_rate`), so requests at different loads compare. A reward earned on
 a draft swapped out since is dropped. The state file is written at most every `save_every_s`
-(and at `save()`), never once per request on the scheduler's thread.
+(and at `save()`), never once per request on the scheduler's thread. It records the draft's
+weights id (`artifacts.weights_id`): restored with another draft (a new merge, `server.draft`
+changed), the draft arms' statistics start over, as on a hot swap; n-gram and plain arms keep
+theirs.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -57,8 +61,11 @@ class Policy:
         state_file: Path | None = None,
         save_every_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        draft_weights: str | None = None,
     ):
+        """`draft_weights`: the served draft's weights id, kept in the state file."""
         self.bandit = bandit
+        self.draft_weights = draft_weights
         self.plain_arm = next((a for a in bandit.arms if parse_arm(a).k == 0), None)
         self.guard = guard if self.plain_arm is not None else None
         self.state_file = state_file
@@ -67,7 +74,27 @@ class Policy:
         self._saved_at = clock()
         self._dirty = False
         if state_file is not None:
-            log.info("bandit state %s: %s", state_file, load_bandit(bandit, state_file))
+            status = load_bandit(bandit, state_file)
+            log.info("bandit state %s: %s", state_file, status)
+            if status == "restored":
+                self._check_draft(state_file)
+
+    def _check_draft(self, state_file: Path) -> None:
+        """Forget the draft arms if the state measured other draft weights than these."""
+        try:
+            saved = json.loads(state_file.read_text()).get("draft_weights")
+        except (OSError, ValueError):
+            return
+        draft_arms = [a for a in self.bandit.arms if parse_arm(a).needs_draft]
+        if saved == self.draft_weights or not draft_arms:
+            return
+        log.warning(
+            "bandit state %s measured draft weights %s; this server's draft is %s: the draft "
+            "arms' statistics start over (n-gram and plain arms keep theirs)",
+            state_file, (saved or "unrecorded")[:12], (self.draft_weights or "unknown")[:12],
+        )  # fmt: skip
+        self.bandit.forget(draft_arms)
+        self._dirty = True
 
     @property
     def arms(self) -> list:
@@ -123,9 +150,10 @@ class Policy:
             )
         return event
 
-    def forget_draft_arms(self) -> None:
-        """A new draft: the draft arms' statistics start over; the guard forgets its
-        speculative window."""
+    def forget_draft_arms(self, draft_weights: str | None = None) -> None:
+        """A new draft (`draft_weights`: its weights id): the draft arms' statistics start
+        over; the guard forgets its speculative window."""
+        self.draft_weights = draft_weights
         self.bandit.forget([a for a in self.bandit.arms if parse_arm(a).needs_draft])
         if self.guard is not None:
             self.guard.reset_speculative()
@@ -139,7 +167,7 @@ class Policy:
         if not force and now - self._saved_at < self.save_every_s:
             return
         try:
-            save_bandit(self.bandit, self.state_file)
+            save_bandit(self.bandit, self.state_file, {"draft_weights": self.draft_weights})
             self._dirty, self._saved_at = False, now
         except OSError as exc:  # serving goes on; the next save tries again
             log.warning("bandit state %s not saved: %s", self.state_file, exc)
@@ -183,8 +211,11 @@ def make_policy(
     state_file: Path | None = None,
     policy: str | None = None,
     clock: Callable[[], float] = time.monotonic,
+    draft_weights: str | None = None,
 ) -> Policy:
-    """The policy per the `bandit` section over these arms."""
+    """The policy per the `bandit` section over these arms (`draft_weights`: the served
+    draft's weights id, checked against the state file's)."""
     return Policy(
-        make_bandit(b, arms, policy), make_guard(b), state_file, b.save_every_s, clock=clock
-    )
+        make_bandit(b, arms, policy), make_guard(b), state_file, b.save_every_s, clock=clock,
+        draft_weights=draft_weights,
+    )  # fmt: skip

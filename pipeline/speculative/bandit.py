@@ -595,8 +595,9 @@ class DriftGuard:
             window.popleft()
 
 
-def save_bandit(bandit: EpsilonGreedy, path: Path) -> None:
-    atomic_write_json(path, bandit.state())
+def save_bandit(bandit: EpsilonGreedy, path: Path, extra: dict | None = None) -> None:
+    """The bandit's state, plus the caller's `extra` fields (the draft it measured)."""
+    atomic_write_json(path, {**bandit.state(), **(extra or {})})
 
 
 def load_bandit(bandit: EpsilonGreedy, path: Path) -> str:
