@@ -43,17 +43,27 @@ NO_CAPTURE = {"capture": False}
 
 
 def sweep(ep, model, prompts, args, extra, label) -> dict[int, dict]:
-    """Warm every concurrency, then one point per concurrency (the same prompts, in order)."""
-    for c in args.clients:
-        loadtest.sweep_point(ep, model, prompts[:c], c, 8, extra, stream=args.stream)
-    points = {}
+    """One mode: `sweep_modes` with it alone."""
+    return sweep_modes(ep, model, prompts, args, {label: extra})[label]
+
+
+def sweep_modes(ep, model, prompts, args, extras: dict[str, dict | None]) -> dict[str, dict]:
+    """Warm every mode at every concurrency, then one point per concurrency and mode, the modes
+    of a concurrency back to back (the machine's speed drifts by up to a fifth in an hour:
+    modes compared at one concurrency are measured minutes apart, not a quarter of an hour);
+    the same prompts, in order."""
+    for extra in extras.values():
+        for c in args.clients:
+            loadtest.sweep_point(ep, model, prompts[:c], c, 8, extra, stream=args.stream)
+    points: dict[str, dict] = {label: {} for label in extras}
     for c in args.clients:
         batch = [prompts[i % len(prompts)] for i in range(max(args.requests, 2 * c))]
-        points[c] = loadtest.sweep_point(ep, model, batch, c, args.tokens, extra,
-                                         f"{label} c={c}", stream=args.stream)  # fmt: skip
-        p = points[c]
-        print(f"{label} c={c}: {p['tokens_per_second']:.2f} tok/s, p95 {p['p95_latency_s']:.2f} s,"
-              f" arms {p['arms']}", flush=True)  # fmt: skip
+        for label, extra in extras.items():
+            p = points[label][c] = loadtest.sweep_point(
+                ep, model, batch, c, args.tokens, extra, f"{label} c={c}", stream=args.stream
+            )
+            print(f"{label} c={c}: {p['tokens_per_second']:.2f} tok/s, p95 "
+                  f"{p['p95_latency_s']:.2f} s, arms {p['arms']}", flush=True)  # fmt: skip
     return points
 
 
@@ -77,10 +87,9 @@ def phoenix_sweep(args, cfg, ws) -> dict:
         with started as (url, ready_s):
             ep = loadtest.Endpoint(url)
             model = ep.model()
-            modes = {}
-            for mode in args.modes:
-                extra = {"phoenix": {**NO_CAPTURE, "mode": mode}, **sampled(args)}
-                modes[mode] = sweep(ep, model, prompts, args, extra, f"phoenix {mode}")
+            extras = {mode: {"phoenix": {**NO_CAPTURE, "mode": mode}, **sampled(args)}
+                      for mode in args.modes}  # fmt: skip
+            modes = sweep_modes(ep, model, prompts, args, extras)
     finally:
         state.unlink(missing_ok=True)
         if aside.exists():

@@ -155,8 +155,14 @@ def check_distribution(cfg: Config, ws: Workspace, drafts, target, ids) -> dict[
         s = replace(base, seed=offset * 1_000_003 + i * 10_007)
         return sample_outputs(engine, prompts[i], parse_arm(arm), n, DISTRIBUTION_TOKENS, s)
 
-    reference = [samples(target.engine, "0", i, 0)[0] for i in range(len(prompts))]
     runs = [("none", a, target.engine) for a in free_arms(cfg)]
+    n_draft_arms = sum(parse_arm(a).needs_draft for a in b.fixed_arms)
+    bar = tqdm(total=len(prompts) * (1 + len(runs) + len(drafts) * n_draft_arms),
+               desc="bench distribution check", unit="arm x prompt", dynamic_ncols=True)  # fmt: skip
+    reference = []
+    for i in range(len(prompts)):
+        reference.append(samples(target.engine, "0", i, 0)[0])
+        bar.update()
     draft_specs = {"base": cfg.models.draft, "distilled": str(ws.merged)}
     rows = []
     for draft in [None, *drafts]:
@@ -166,10 +172,12 @@ def check_distribution(cfg: Config, ws: Workspace, drafts, target, ids) -> dict[
         for j, (name, arm, engine) in enumerate(runs, start=1):
             for i in range(len(prompts)):
                 outs, proposed = samples(engine, arm, i, j + 10 * (draft is not None))
+                bar.update()
                 for pos in range(DISTRIBUTION_TOKENS):
                     stat, p = chi_square([o[pos] for o in outs], [o[pos] for o in reference[i]])
                     rows.append({"draft": name, "arm": arm, "prompt_index": i, "position": pos,
                                  "chi2": stat, "p_value": p, "proposed": proposed})  # fmt: skip
+    bar.close()
     threshold = DISTRIBUTION_ALPHA / max(1, len(rows))
     failures = [
         f"{r['draft']}/{r['arm']} prompt {r['prompt_index']} position {r['position']}: "

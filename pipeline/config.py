@@ -87,6 +87,16 @@ class TeacherConfig(Section):
 
 class DistillConfig(Section):
     limit: int | None = Field(None, ge=1, description="Answer only the first N train prompts.")
+    extra_samples: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="Answers sampled from the target per prompt beside its main answer (at "
+        "sample_temperature, seeded by task and sample), which train learns from too.",
+    )
+    sample_temperature: float = Field(
+        0.6, gt=0, le=2, description="The extra samples' temperature."
+    )
 
 
 class BanditConfig(Section):
@@ -113,6 +123,12 @@ class BanditConfig(Section):
         lt=1,
         description="goodput: exploration picks among arms predicted within this fraction of "
         "the best at the request's load.",
+    )
+    speculate_margin: float = Field(
+        0.05,
+        ge=0,
+        description="goodput: beside other rows, a speculative arm is chosen (or explored) only "
+        "if predicted to beat plain by this fraction; alone, every arm competes.",
     )
     save_every_s: float = Field(
         5.0, ge=0, description="Write the bandit's state file at most this often (and at exit)."

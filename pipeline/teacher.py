@@ -333,8 +333,20 @@ def local_teacher(cfg: Config, ws: Workspace) -> Iterator[str]:
 
 # --- the stage ---------------------------------------------------------------------------------
 def load_answers(path: Path) -> dict[int, dict]:
-    """Rows already written, by task_id (the first answer of each, or the first with logprobs).
-    A torn last line (a crash mid-write) is cut off."""
+    """Main answers already written, by task_id (the first answer of each, or the first with
+    logprobs). A torn last line (a crash mid-write) is cut off. Extra samples
+    (`distill.extra_samples`): `load_extra_samples`."""
+    return {tid: row for (tid, j), row in load_all_answers(path).items() if j == 0}
+
+
+def load_extra_samples(path: Path, n: int) -> dict[tuple[int, int], dict]:
+    """Extra samples 1..n already written, by (task_id, sample): each counted once."""
+    return {k: row for k, row in load_all_answers(path).items() if 1 <= k[1] <= n}
+
+
+def load_all_answers(path: Path) -> dict[tuple[int, int], dict]:
+    """Every row by (task_id, sample): sample 0 is the main answer (rows written before extra
+    samples existed have no `sample` field: 0)."""
     if not path.exists():
         return {}
     raw = path.read_bytes()
@@ -345,18 +357,18 @@ def load_answers(path: Path) -> dict[int, dict]:
         )
         with open(path, "r+b") as f:
             f.truncate(cut)
-    rows: dict[int, dict] = {}
+    rows: dict[tuple[int, int], dict] = {}
     for n, line in enumerate(raw[:cut].decode("utf-8").splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-            tid = int(row["task_id"])
+            key = (int(row["task_id"]), int(row.get("sample", 0)))
             # The first answer stays, unless a later one adds the logprobs kd asked for.
-            if tid not in rows or ("completion_logprobs" in row) > (
-                "completion_logprobs" in rows[tid]
+            if key not in rows or ("completion_logprobs" in row) > (
+                "completion_logprobs" in rows[key]
             ):
-                rows[tid] = row
+                rows[key] = row
         except (ValueError, KeyError, TypeError):
             raise InputError(
                 f"{path}:{n}: not a valid answer row; move the file aside to start over"
@@ -393,12 +405,19 @@ def run(cfg: Config, ws: Workspace) -> dict[str, Any]:
     if n_logprobs:  # answers written without logprobs (an sft run) are asked again
         done = {k: r for k, r in done.items() if "completion_logprobs" in r}
     wanted = {p["task_id"] for p in prompts}
-    todo = [p for p in prompts if p["task_id"] not in done]
+    todo = [(p, 0) for p in prompts if p["task_id"] not in done]
+    n_extra = cfg.distill.extra_samples
+    extra_done = load_extra_samples(ws.answers_file, n_extra) if n_extra else {}
+    if n_logprobs:
+        extra_done = {k: r for k, r in extra_done.items() if "completion_logprobs" in r}
+    todo += [(p, j) for j in range(1, n_extra + 1) for p in prompts
+             if (p["task_id"], j) not in extra_done]  # fmt: skip
     log.info(
-        "distill: %d prompts, %d already answered, %d to go",
+        "distill: %d prompts, %d already answered, %d answers to go (%d extra samples each)",
         len(prompts),
         len(wanted & set(done)),
         len(todo),
+        n_extra,
     )
     model = cfg.teacher.model or cfg.models.served_name or cfg.models.target
     stats = {"retries": 0, "tokens": 0}
@@ -415,6 +434,7 @@ def run(cfg: Config, ws: Workspace) -> dict[str, Any]:
     elapsed = time.perf_counter() - t_start
     rows = load_answers(ws.answers_file)
     mine = [rows[i] for i in (p["task_id"] for p in prompts) if i in rows]
+    extras = load_extra_samples(ws.answers_file, n_extra) if n_extra else {}
     missing = wanted - set(rows)
     if missing:
         raise PhoenixError(
@@ -423,6 +443,7 @@ def run(cfg: Config, ws: Workspace) -> dict[str, Any]:
     summary = {
         "answers": len(mine),
         "truncated": sum(r["finish_reason"] == "length" for r in mine),
+        "extra_samples": len([k for k in extras if k[0] in wanted]),
         "answered_this_run": len(todo),
         "retries": stats["retries"],
         "mean_latency_s": sum(r["latency_s"] for r in mine) / len(mine) if mine else 0.0,
@@ -463,10 +484,13 @@ def _answer_all(
     ws: Workspace,
     url: str,
     model: str,
-    todo: list[dict],
+    todo: list[tuple[dict, int]],
     stats: dict,
     concurrency: int,
 ) -> None:
+    """Ask for every (prompt, sample) of `todo`: sample 0 is the prompt's main answer
+    (teacher.temperature), 1.. its extra samples (distill.sample_temperature); each row is
+    appended as it comes."""
     t = cfg.teacher
     api_key = os.environ.get(t.api_key_env) if t.url != "local" else None
     client = TeacherClient(
@@ -496,14 +520,17 @@ def _answer_all(
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), desc="teacher answers", unit="ans", dynamic_ncols=True)
 
-    def one(p: dict) -> None:
-        # Sampled answers (teacher.temperature > 0) are seeded by task: a rerun draws the same.
-        seeded = {**extra, "seed": int(p["task_id"])} if t.temperature > 0 else extra
+    def one(p: dict, sample: int) -> None:
+        # Sampled answers are seeded by task and sample: a rerun draws the same.
+        temperature = t.temperature if sample == 0 else cfg.distill.sample_temperature
+        seed = int(p["task_id"]) * 1000 + sample
+        seeded = {**extra, "seed": seed} if temperature > 0 else extra
         answer, retries = client.chat(
-            model, [{"role": "user", "content": p["prompt"]}], t.max_tokens, t.temperature, seeded
+            model, [{"role": "user", "content": p["prompt"]}], t.max_tokens, temperature, seeded
         )
         row = {
             "task_id": p["task_id"],
+            **({"sample": sample, "temperature": temperature} if sample else {}),
             "prompt": p["prompt"],
             "completion": answer.completion,
             "finish_reason": answer.finish_reason,
@@ -531,7 +558,7 @@ def _answer_all(
 
     pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="teacher")
     try:
-        futures = [pool.submit(one, p) for p in todo]
+        futures = [pool.submit(one, p, j) for p, j in todo]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         for f in done:
             if f.exception() is not None:

@@ -23,7 +23,7 @@ from typing import Any
 from . import distillation, models
 from .config import Config
 from .errors import InputError
-from .teacher import load_answers
+from .teacher import load_answers, load_extra_samples
 from .workspace import (
     Workspace,
     atomic_write_json,
@@ -126,14 +126,23 @@ def _process_state():
     return PartialState(cpu=not torch.cuda.is_available())
 
 
+def training_answers(cfg: Config, ws: Workspace) -> list[dict]:
+    """What train learns from: each prompt's main answer, then its extra samples 1..N
+    (`distill.extra_samples`)."""
+    answers = list(load_answers(ws.answers_file).values())  # one row per task_id
+    if not answers:
+        raise InputError(f"{ws.answers_file} has no answers")
+    if cfg.distill.extra_samples:
+        answers += list(load_extra_samples(ws.answers_file, cfg.distill.extra_samples).values())
+    return answers
+
+
 def run(cfg: Config, ws: Workspace, force: bool = False) -> dict[str, Any]:
     if not ws.answers_file.exists():
         raise InputError(
             f"{ws.answers_file} is missing: run the distill stage first (make distill)"
         )
-    answers = list(load_answers(ws.answers_file).values())  # one row per task_id
-    if not answers:
-        raise InputError(f"{ws.answers_file} has no answers")
+    answers = training_answers(cfg, ws)
     inputs = train_inputs(cfg, ws)
     metrics_file = ws.adapter / "metrics.json"
     inputs_file = ws.adapter / "inputs.json"

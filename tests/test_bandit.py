@@ -435,6 +435,38 @@ def test_goodput_explores_only_near_the_best_prediction():
     assert picks <= {"draft:2", "draft:4"} and len(picks) == 2  # never 0 or ngram here
 
 
+def test_goodput_beside_other_rows_a_near_tie_goes_to_plain():
+    """Prompt lookup predicted 3% above plain at 8 rows: below speculate_margin (5%), so plain,
+    and it is never explored there (epsilon 1); 10% above: it may run. Alone, a near-tie is
+    the policy's to explore as before."""
+    from pipeline.speculative.bandit import Context
+
+    curve = ((1.0, 0.090), (5.0, 0.100), (8.0, 0.160), (16.0, 0.300))
+    b = goodput_bandit(arms=("0", "ngram:2"), epsilon_start=1.0, epsilon_floor=1.0,
+                       explore_margin=0.5)  # fmt: skip
+    for _ in range(2):
+        b.choose()
+
+    def with_gain(gain: float) -> Context:
+        """Teach ngram:2 an acceptance that predicts `gain` x plain at 8 rows."""
+        b.positions.clear()
+        ctx = Context(rows=8, step_cost=curve)
+        plain = b.predict("0", ctx)
+        for hit in range(0, 1001):
+            b.positions.clear()
+            teach(b, "ngram:2", 1000, [500, 0], [hit, 0])
+            if b.predict("ngram:2", ctx) >= gain * plain:
+                return ctx
+        raise AssertionError("no acceptance reaches that gain")
+
+    ctx = with_gain(1.03)
+    assert {b.choose(ctx).arm for _ in range(40)} == {"0"}
+    alone = Context(rows=1, step_cost=curve)
+    assert {b.choose(alone).arm for _ in range(40)} == {"0", "ngram:2"}
+    ctx = with_gain(1.10)
+    assert "ngram:2" in {b.choose(ctx).arm for _ in range(40)}
+
+
 def test_policy_saves_state_at_most_every_interval_on_its_clock(tmp_path):
     """The state file is written by the first reward after `save_every_s` of the injected
     clock, and by save(); fake time, no sleeps."""

@@ -218,7 +218,11 @@ def test_distill_with_local_teacher_ci_config(distilled_ws, tmp_path, cli):
     # A finished run is not repeated: nothing to do, no server started.
     art = copy_workspace(distilled_ws, tmp_path / "art")
     r = cli("distill", *CI, "--artifacts", art, "--set", "distill.limit=100")
-    assert r.returncode == 0 and "0 to go" in r.log and "starting the local teacher" not in r.log
+    assert (
+        r.returncode == 0
+        and "0 answers to go" in r.log
+        and "starting the local teacher" not in r.log
+    )
 
 
 @pytest.mark.slow
@@ -283,6 +287,43 @@ def test_what_is_sent_to_the_teacher(tmp_path, mbpp_path, cli):
         assert body["model"] == "fake" and body["temperature"] == 0 and body["max_tokens"] == 77
         assert body["chat_template_kwargs"] == {"enable_thinking": False}
         assert body["messages"][0]["role"] == "user" and body["messages"][0]["content"]
+
+
+def test_extra_samples_are_asked_once_each_seeded_and_kept_apart(tmp_path, mbpp_path, cli):
+    """distill.extra_samples: beside each main answer (greedy, first), N answers sampled at
+    distill.sample_temperature with a seed per task and sample; a rerun asks for none again,
+    and raising N asks only for the new ones. The main answers stay what load_answers reads."""
+    from pipeline.teacher import load_answers, load_extra_samples
+
+    art = tmp_path / "art"
+    with FakeOpenAI() as fake:
+        cfg = write_config(tmp_path, fake.url)
+        assert cli("split", "--config", cfg, "--artifacts", art).returncode == 0
+        sets = ["--set", "distill.limit=3", "--set", "distill.extra_samples=2",
+                "--set", "distill.sample_temperature=0.6"]  # fmt: skip
+        assert cli("distill", "--config", cfg, "--artifacts", art, *sets).returncode == 0
+        first = list(fake.chat_bodies)
+        assert cli("distill", "--config", cfg, "--artifacts", art, *sets).returncode == 0
+        assert len(fake.chat_bodies) == len(first) == 9  # 3 main + 3 x 2 samples; none again
+        more = [*sets[:2], "--set", "distill.extra_samples=3"]
+        assert cli("distill", "--config", cfg, "--artifacts", art, *more).returncode == 0
+        assert len(fake.chat_bodies) == 12  # only the third sample of each prompt
+    main = [b for b in first if b["temperature"] == 0]
+    sampled = [b for b in first if b["temperature"] == 0.6]
+    assert len(main) == 3 and "seed" not in main[0] and len(sampled) == 6
+    assert len({b["seed"] for b in sampled}) == 6
+    answers = art / "teacher" / "answers.jsonl"
+    assert len(load_answers(answers)) == 3
+    assert sorted(k[1] for k in load_extra_samples(answers, 3)) == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+    summary = json.loads((art / "teacher" / "summary.json").read_text())
+    assert summary["answers"] == 3 and summary["extra_samples"] == 9
+    from pipeline.config import load_config
+    from pipeline.train import training_answers
+    from pipeline.workspace import Workspace
+
+    for n, rows in ((0, 3), (2, 9), (3, 12)):
+        got = training_answers(load_config(cfg, [f"distill.extra_samples={n}"]), Workspace(art))
+        assert len(got) == rows and [a.get("sample", 0) for a in got[:3]] == [0, 0, 0]
 
 
 def test_thinking_switch_not_sent_when_unset(tmp_path, mbpp_path, cli):

@@ -189,7 +189,9 @@ def make_bandit(
     if policy == "contextual":
         return ContextualBandit(*args, prior_weight=b.prior_weight, **kw)
     if policy == "goodput":
-        return GoodputBandit(*args, explore_margin=b.explore_margin, **kw)
+        return GoodputBandit(
+            *args, explore_margin=b.explore_margin, speculate_margin=b.speculate_margin, **kw
+        )
     return EpsilonGreedy(*args, explore="uniform" if policy == "seed" else "plausible", **kw)
 
 

@@ -400,9 +400,13 @@ class GoodputBandit(EpsilonGreedy):
     the best (an arm predicted clearly slower at this load is never explored there). Without
     the loop's figures in the context it falls back to the measured means (plausible policy)."""
 
-    def __init__(self, arms, rng, *args, explore_margin: float = 0.1, decay: float = 0.998, **kw):
+    def __init__(
+        self, arms, rng, *args, explore_margin: float = 0.1, decay: float = 0.998,
+        speculate_margin: float = 0.05, **kw,
+    ):  # fmt: skip
         super().__init__(arms, rng, *args, **kw)
         self.explore_margin = explore_margin
+        self.speculate_margin = speculate_margin
         self.decay = decay
         self.top = max((int(str(a).partition(":")[2] or 0) for a in self.arms), default=0)
         # strategy -> [rounds that could guess at position i..., proposed at i..., accepted at i...]
@@ -449,15 +453,29 @@ class GoodputBandit(EpsilonGreedy):
             known = {a: v for a, v in values.items() if v is not None}  # arm 0 always is
             eps = self.epsilon()
             explored = self.rng.random() < eps
+            allowed = self._allowed(values, context)
+            known = {a: v for a, v in known.items() if a in allowed}
             if explored:  # an unknown arm, or one within the margin of the best prediction
                 floor = (1 - self.explore_margin) * max(known.values())
                 arm = self.rng.choice(
-                    [a for a in self.arms if values[a] is None or values[a] >= floor]
+                    [a for a in allowed if values[a] is None or values[a] >= floor]
                 )
             else:
                 arm = max(known, key=lambda a: (known[a], -self.arms.index(a)))
             self.t += 1
             return self._decision(arm, explored, False, eps, context, values)
+
+    def _allowed(self, values: dict, context: Context) -> list:
+        """The arms a request may get. Alone: all. Beside other rows: plain, and the speculative
+        arms predicted to beat plain by `speculate_margin` (a near-tie goes to plain: a
+        speculative row's extra tokens slow every row beside it, and the prediction prices the
+        target pass alone, not the step's other per-token work); no arm is explored there whose
+        acceptance is unknown (acceptance does not depend on the load: it is learnt alone)."""
+        plain = next((a for a in self.arms if not strategy_of(a)), None)
+        if context.rows <= 1 or plain is None or values.get(plain) is None:
+            return list(self.arms)
+        bar = (1 + self.speculate_margin) * values[plain]
+        return [a for a in self.arms if a == plain or (values[a] is not None and values[a] >= bar)]
 
     def _decision(self, arm, explored, warmup, eps, context=None, values=None) -> Decision:
         shown = {a: v for a, v in (values or self.means).items() if v is not None}
