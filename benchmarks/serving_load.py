@@ -187,7 +187,7 @@ def markdown(results: dict) -> str:
            + (f"at {results['url']} (already running)" if results.get("url") else
               f"ready after {results['phoenix']['ready_s']:.0f} s") + ".\n"]  # fmt: skip
     head = ["engine", "mode", "clients", "tok/s", "p50 s", "p95 s", "TTFT p50 s", "acceptance",
-            "arms"]  # fmt: skip
+            "arms", "speculated because"]  # fmt: skip
     rows = []
     engines = [("phoenix", results["phoenix"]["modes"])]
     if "vllm" in results:
@@ -201,7 +201,9 @@ def markdown(results: dict) -> str:
                              f"{p['p50_latency_s']:.2f}", f"{p['p95_latency_s']:.2f}",
                              "-" if p["p50_ttft_s"] is None else f"{p['p50_ttft_s']:.2f}",
                              "-" if acc is None else f"{acc:.3f}",
-                             ", ".join(f"{a}: {n}" for a, n in p.get("arms", {}).items()) or "-"])  # fmt: skip
+                             ", ".join(f"{a}: {n}" for a, n in p.get("arms", {}).items()) or "-",
+                             ", ".join(f"{a}: {n}" for a, n in
+                                       p.get("speculated_because", {}).items()) or "-"])  # fmt: skip
     out += table(head, rows)
     out += ["", "Against the goals:", "", *results["verdict"], ""]
     return "\n".join(out)

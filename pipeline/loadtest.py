@@ -88,6 +88,7 @@ class Endpoint:
                     data = r.json()
                     out["tokens"] = data["usage"]["completion_tokens"]
                     out["arm"] = (data.get("phoenix") or {}).get("arm")
+                    out["why"] = why_of(data.get("phoenix"))
                 else:
                     out["error"] = r.text[:300]
             except (requests.RequestException, ValueError, KeyError) as exc:
@@ -109,6 +110,7 @@ class Endpoint:
                         out["tokens"] = chunk["usage"]["completion_tokens"]
                     if chunk.get("phoenix"):  # Phoenix's own figures: the arm that ran it
                         out["arm"] = chunk["phoenix"].get("arm")
+                        out["why"] = why_of(chunk["phoenix"])
                     delta = (chunk.get("choices") or [{}])[0].get("delta") or {}
                     if delta.get("content") and out["ttft_s"] is None:
                         out["ttft_s"] = time.perf_counter() - t0
@@ -207,6 +209,8 @@ def sweep_point(
     bar.close()
     ok = [r for r in results if r["status"] == 200]
     arms = Counter(r["arm"] for r in ok if r.get("arm") is not None)
+    # Why the bandit's speculative requests speculated (exploited, explored, warm-up, probe).
+    why = Counter(r["why"] for r in ok if r.get("why") and r.get("arm") not in (None, "0"))
     lat = [r["latency_s"] for r in ok]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     return {
@@ -224,8 +228,19 @@ def sweep_point(
         "p50_ttft_s": report.percentile(ttft, 50) if ttft else None,
         "p95_ttft_s": report.percentile(ttft, 95) if ttft else None,
         "arms": dict(sorted(arms.items())),  # Phoenix: which arm served the requests
+        "speculated_because": dict(sorted(why.items())),
         **acceptance_between(before, ep.spec_counters()),
     }
+
+
+def why_of(ph: dict | None) -> str | None:
+    """How Phoenix's bandit chose a request's arm (None: not a bandit request)."""
+    if not ph or ph.get("explored") is None:
+        return None
+    for key in ("warmup", "probe", "fallback", "explored"):
+        if ph.get(key):
+            return key
+    return "exploited"
 
 
 def _endpoint(cfg: Config, url: str | None) -> Endpoint:

@@ -352,8 +352,8 @@ def goodput_bandit(arms=("0", "draft:2", "draft:4", "ngram:4"), **kw):
 
 
 def line(a: float, b: float) -> tuple[tuple[float, float], ...]:
-    """The measured curve of a pass costing a + b * n (extended past its points by its slope)."""
-    return ((1.0, a + b), (2.0, a + 2 * b))
+    """The measured curve of a pass costing a + b * n, measured at every size the tests ask."""
+    return tuple((float(n), a + b * n) for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
 
 
 def teach(b, arm, rounds, proposed, accepted):
@@ -405,7 +405,13 @@ def test_goodput_reads_the_measured_curve_flat_for_a_few_tokens_then_steep():
     curve = ((1.0, 0.090), (5.0, 0.100), (16.0, 0.290))
     assert step_seconds(curve, 3) == pytest.approx(0.095)  # between points: linear
     assert step_seconds(curve, 0.5) == pytest.approx(0.090)  # below: the first's time
-    assert step_seconds(curve, 27) == pytest.approx(0.290 + 11 * 0.19 / 11)  # past: last slope
+    assert step_seconds(curve, 27) == pytest.approx(0.290 * 27 / 16)  # past: proportional...
+    steep = ((1.0, 0.090), (5.0, 0.100), (16.0, 0.400))
+    assert step_seconds(steep, 27) == pytest.approx(0.400 + 11 * 0.3 / 11)  # ...or the slope
+    # A loaded batch measured only its plain steps (16 tokens) past a flat stretch: 40 tokens
+    # are priced at least in proportion, not at the flat slope (0.191 + 24 * 0.00325 = 0.269).
+    flat = ((8.0, 0.165), (16.0, 0.191))
+    assert step_seconds(flat, 40) == pytest.approx(0.191 * 40 / 16)
     assert step_seconds(((4.0, 0.2),), 8) == pytest.approx(0.4)  # one point: proportional
     with pytest.raises(ValueError, match="no measured points"):
         step_seconds((), 1)

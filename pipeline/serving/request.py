@@ -138,6 +138,7 @@ class CoreResult:
             "explored": d.explored if d else None,
             "warmup": d.warmup if d else None,
             "fallback": d.fallback if d else None,  # held to plain generation by the drift guard
+            "probe": d.probe if d else None,  # the drift guard's probe of the best speculative arm
             "epsilon": d.epsilon if d else None,
             "guard_event": self.guard_event["event"] if self.guard_event else None,
         }

@@ -71,9 +71,10 @@ def temperature_bucket(context: Context | None) -> int:
 
 def step_seconds(curve: tuple[tuple[float, float], ...], n: float) -> float:
     """Seconds of a pass of size `n` on a measured curve ((n, seconds) points, ascending):
-    linear between points; below the first, the first's time; past the last, the last
-    segment's slope (one point: time proportional to size: what was not measured is not
-    assumed cheap)."""
+    linear between points; below the first, the first's time; past the last, the larger of the
+    last segment's slope and time proportional to size (what was not measured is not assumed
+    cheap: a loaded batch measures only its plain steps, and the flat stretch of a CPU pass below
+    it would price every guess beyond them at almost nothing)."""
     if not curve:
         raise ValueError("no measured points")
     (x0, y0) = curve[0]
@@ -83,10 +84,11 @@ def step_seconds(curve: tuple[tuple[float, float], ...], n: float) -> float:
         if n <= x2:
             return y1 + (y2 - y1) * (n - x1) / max(x2 - x1, 1e-9)
     xl, yl = curve[-1]
+    proportional = yl * n / max(xl, 1e-9)
     if len(curve) == 1:
-        return yl * n / max(xl, 1e-9)
+        return proportional
     xp, yp = curve[-2]
-    return yl + max(0.0, (yl - yp) / max(xl - xp, 1e-9)) * (n - xl)
+    return max(proportional, yl + max(0.0, (yl - yp) / max(xl - xp, 1e-9)) * (n - xl))
 
 
 @dataclass(frozen=True)
