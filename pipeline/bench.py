@@ -9,7 +9,7 @@ requests excluded. Modes: target (no draft), fixed_K for K in `bench.fixed_arms`
 state per run by default); drafts: base (before training) and distilled (<artifacts>/merged).
 Every speculative output must equal the target-only output, token for token (exit 4 if not).
 The sampled protocol (`bench.temperature` > 0): every request samples, seeded by its prompt, and
-the check is in distribution instead (`check_distribution`; exit 4 if it fails). Writes <artifacts>/bench/results.json, report.md and PNG plots.
+the check is in distribution instead (`DistributionCheck`; exit 4 if it fails). Writes <artifacts>/bench/results.json, report.md and PNG plots.
 """
 
 from __future__ import annotations
@@ -96,12 +96,13 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
     compiled = models.compile_engine(cfg, ws, target)
     ids = prompt_ids(cfg, target.tokenizer, rows)
     engines = {"none": {"compiled": compiled}}
-    records = measure_all(cfg, ws, telemetry, drafts, rows, target, ids, engines)
+    # Sampled: token identity does not apply; the outputs are checked in distribution.
+    check = DistributionCheck(cfg, ids) if sampled(cfg) else None
+    records = measure_all(cfg, ws, telemetry, drafts, rows, target, ids, engines, check)
     dtype = str(target.target.dtype).replace("torch.", "")
     margin = lossless_margin(cfg, dtype)
-    distribution = None
-    if sampled(cfg):  # token identity does not apply: the outputs are checked in distribution
-        distribution = check_distribution(cfg, ws, drafts, target, ids)
+    distribution = check.result() if check is not None else None
+    if distribution is not None:
         mismatches, near_ties = distribution["failures"], []
     else:
         mismatches, near_ties = check_lossless(records, target, ids, margin)
@@ -140,62 +141,63 @@ DISTRIBUTION_TOKENS = 3  # output positions compared by the sampled protocol
 DISTRIBUTION_ALPHA = 1e-3  # family-wise: each comparison is judged at ALPHA / comparisons
 
 
-def check_distribution(cfg: Config, ws: Workspace, drafts, target, ids) -> dict[str, Any]:
+class DistributionCheck:
     """The sampled protocol's check: for the first bench.distribution_prompts prompts, the
     first DISTRIBUTION_TOKENS tokens of bench.distribution_samples generations by each
     measured arm against as many by the target alone, compared position by position with a
     two-sample chi-square test (`sampling.chi_square`). A comparison fails below
     DISTRIBUTION_ALPHA / comparisons (Bonferroni: a correct engine fails the whole check with
-    probability at most DISTRIBUTION_ALPHA)."""
-    b = cfg.bench
-    n, prompts = b.distribution_samples, ids[: b.distribution_prompts]
-    base = sampling_of(cfg, 0)
+    probability at most DISTRIBUTION_ALPHA). `compare` runs where the bench already holds each
+    draft's models (`measure_all`), so no model is loaded twice."""
 
-    def samples(engine, arm: str, i: int, offset: int) -> tuple[list, int]:
-        s = replace(base, seed=offset * 1_000_003 + i * 10_007)
-        return sample_outputs(engine, prompts[i], parse_arm(arm), n, DISTRIBUTION_TOKENS, s)
+    def __init__(self, cfg: Config, ids: list[list[int]]):
+        b = cfg.bench
+        self.n, self.prompts = b.distribution_samples, ids[: b.distribution_prompts]
+        self.base = sampling_of(cfg, 0)
+        self.reference: list[list] | None = None  # target-only samples per prompt
+        self.rows: list[dict] = []
+        self.runs = 0  # seeds apart for every (engine, arm) compared
 
-    runs = [("none", a, target.engine) for a in free_arms(cfg)]
-    n_draft_arms = sum(parse_arm(a).needs_draft for a in b.fixed_arms)
-    bar = tqdm(total=len(prompts) * (1 + len(runs) + len(drafts) * n_draft_arms),
-               desc="bench distribution check", unit="arm x prompt", dynamic_ncols=True)  # fmt: skip
-    reference = []
-    for i in range(len(prompts)):
-        reference.append(samples(target.engine, "0", i, 0)[0])
-        bar.update()
-    draft_specs = {"base": cfg.models.draft, "distilled": str(ws.merged)}
-    rows = []
-    for draft in [None, *drafts]:
-        if draft is not None:
-            pair = models.load_pair(cfg, ws, draft_specs[draft], share_target=target)
-            runs = [(draft, a, pair.engine) for a in b.fixed_arms if parse_arm(a).needs_draft]
-        for j, (name, arm, engine) in enumerate(runs, start=1):
-            for i in range(len(prompts)):
-                outs, proposed = samples(engine, arm, i, j + 10 * (draft is not None))
-                bar.update()
+    def _samples(self, engine, arm: str, i: int) -> tuple[list, int]:
+        s = replace(self.base, seed=self.runs * 1_000_003 + i * 10_007)
+        return sample_outputs(engine, self.prompts[i], parse_arm(arm), self.n,
+                              DISTRIBUTION_TOKENS, s)  # fmt: skip
+
+    def compare(self, name: str, engine, arms: list[str]) -> None:
+        """Compare each of `arms` on `engine` (draft `name`) with target-only sampling."""
+        if self.reference is None:  # the target alone, on the first engine compared
+            self.reference = [self._samples(engine, "0", i)[0] for i in range(len(self.prompts))]
+        for arm in arms:
+            self.runs += 1
+            for i in tqdm(range(len(self.prompts)), desc=f"bench distribution {name}/{arm}",
+                          unit="prompt", dynamic_ncols=True):  # fmt: skip
+                outs, proposed = self._samples(engine, arm, i)
                 for pos in range(DISTRIBUTION_TOKENS):
-                    stat, p = chi_square([o[pos] for o in outs], [o[pos] for o in reference[i]])
-                    rows.append({"draft": name, "arm": arm, "prompt_index": i, "position": pos,
-                                 "chi2": stat, "p_value": p, "proposed": proposed})  # fmt: skip
-    bar.close()
-    threshold = DISTRIBUTION_ALPHA / max(1, len(rows))
-    failures = [
-        f"{r['draft']}/{r['arm']} prompt {r['prompt_index']} position {r['position']}: "
-        f"p = {r['p_value']:.2e} < {threshold:.1e} (its tokens are not distributed as the "
-        "target's)"
-        for r in rows
-        if r["p_value"] < threshold
-    ]
-    return {
-        "samples": n,
-        "prompts": len(prompts),
-        "tokens": DISTRIBUTION_TOKENS,
-        "alpha": DISTRIBUTION_ALPHA,
-        "threshold": threshold,
-        "min_p_value": min((r["p_value"] for r in rows), default=None),
-        "comparisons": rows,
-        "failures": failures,
-    }
+                    stat, p = chi_square([o[pos] for o in outs],
+                                         [o[pos] for o in self.reference[i]])  # fmt: skip
+                    self.rows.append({"draft": name, "arm": arm, "prompt_index": i,
+                                      "position": pos, "chi2": stat, "p_value": p,
+                                      "proposed": proposed})  # fmt: skip
+
+    def result(self) -> dict[str, Any]:
+        threshold = DISTRIBUTION_ALPHA / max(1, len(self.rows))
+        failures = [
+            f"{r['draft']}/{r['arm']} prompt {r['prompt_index']} position {r['position']}: "
+            f"p = {r['p_value']:.2e} < {threshold:.1e} (its tokens are not distributed as the "
+            "target's)"
+            for r in self.rows
+            if r["p_value"] < threshold
+        ]
+        return {
+            "samples": self.n,
+            "prompts": len(self.prompts),
+            "tokens": DISTRIBUTION_TOKENS,
+            "alpha": DISTRIBUTION_ALPHA,
+            "threshold": threshold,
+            "min_p_value": min((r["p_value"] for r in self.rows), default=None),
+            "comparisons": self.rows,
+            "failures": failures,
+        }
 
 
 def free_arms(cfg: Config) -> list[str]:
@@ -204,10 +206,12 @@ def free_arms(cfg: Config) -> list[str]:
 
 
 def measure_all(
-    cfg: Config, ws: Workspace, telemetry, drafts, rows, target, ids, engines: dict
-) -> list[dict]:
+    cfg: Config, ws: Workspace, telemetry, drafts, rows, target, ids, engines: dict,
+    check: DistributionCheck | None = None,
+) -> list[dict]:  # fmt: skip
     """One record per (draft, mode, prompt): target-only first, then each draft's modes.
-    `engines[draft]` gets how each draft's engine ran (compiled, its head subset)."""
+    `engines[draft]` gets how each draft's engine ran (compiled, its head subset); `check`
+    (the sampled protocol) compares each measured arm's samples while its models are loaded."""
     draft_specs = {"base": cfg.models.draft, "distilled": str(ws.merged)}
     records: list[dict] = []
 
@@ -222,6 +226,8 @@ def measure_all(
     measure(plain, "none", "target")
     for arm in free_arms(cfg):
         measure(plain, "none", fixed(arm).spec)
+    if check is not None:
+        check.compare("none", target.engine, free_arms(cfg))
     for draft in drafts:
         pair = models.load_pair(cfg, ws, draft_specs[draft], share_target=target)
         engines[draft] = {
@@ -235,6 +241,9 @@ def measure_all(
             if parse_arm(arm).needs_draft:
                 measure(core, draft, fixed(arm).spec)
         measure(core, draft, "bandit")
+        if check is not None:
+            check.compare(draft, pair.engine, [a for a in cfg.bench.fixed_arms
+                                                if parse_arm(a).needs_draft])  # fmt: skip
         if cfg.bench.seed_bandit:
             seed = core_of(pair, draft, policy="seed")
             measure(seed, draft, "bandit", "bandit_seed")

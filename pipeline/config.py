@@ -21,6 +21,7 @@ from pydantic import (
 
 from .errors import ConfigError
 from .speculative.arms import FORMS, canonical
+from .workspace import LOCK_HEARTBEAT_S, LOCK_STALE_AFTER_S
 
 
 class Section(BaseModel):
@@ -485,9 +486,11 @@ class VllmConfig(Section):
 class LockConfig(Section):
     """<artifacts>/phoenix.lock: one job per workspace."""
 
-    heartbeat_s: float = Field(30.0, gt=0, description="How often the holder refreshes it.")
+    heartbeat_s: float = Field(
+        LOCK_HEARTBEAT_S, gt=0, description="How often the holder refreshes it."
+    )
     stale_after_s: float = Field(
-        600.0,
+        LOCK_STALE_AFTER_S,
         gt=0,
         description="A lock from another host not refreshed for this long is taken over (its "
         "holder, a pod evicted mid-run, is gone).",

@@ -334,19 +334,14 @@ def local_teacher(cfg: Config, ws: Workspace) -> Iterator[str]:
 # --- the stage ---------------------------------------------------------------------------------
 def load_answers(path: Path) -> dict[int, dict]:
     """Main answers already written, by task_id (the first answer of each, or the first with
-    logprobs). A torn last line (a crash mid-write) is cut off. Extra samples
-    (`distill.extra_samples`): `load_extra_samples`."""
+    logprobs); the extra samples too: `load_all_answers`."""
     return {tid: row for (tid, j), row in load_all_answers(path).items() if j == 0}
 
 
-def load_extra_samples(path: Path, n: int) -> dict[tuple[int, int], dict]:
-    """Extra samples 1..n already written, by (task_id, sample): each counted once."""
-    return {k: row for k, row in load_all_answers(path).items() if 1 <= k[1] <= n}
-
-
 def load_all_answers(path: Path) -> dict[tuple[int, int], dict]:
-    """Every row by (task_id, sample): sample 0 is the main answer (rows written before extra
-    samples existed have no `sample` field: 0)."""
+    """Every row by (task_id, sample), each counted once: sample 0 is the main answer (rows
+    written before extra samples existed have no `sample` field: 0), 1..N the extra samples
+    (`distill.extra_samples`). A torn last line (a crash mid-write) is cut off."""
     if not path.exists():
         return {}
     raw = path.read_bytes()
@@ -401,21 +396,18 @@ def run(cfg: Config, ws: Workspace) -> dict[str, Any]:
     if cfg.distill.limit is not None:
         prompts = prompts[: cfg.distill.limit]
     n_logprobs = cfg.requested_logprobs()
-    done = load_answers(ws.answers_file)
+    n_extra = cfg.distill.extra_samples
+    done = load_all_answers(ws.answers_file)  # (task_id, sample) -> row
     if n_logprobs:  # answers written without logprobs (an sft run) are asked again
         done = {k: r for k, r in done.items() if "completion_logprobs" in r}
     wanted = {p["task_id"] for p in prompts}
-    todo = [(p, 0) for p in prompts if p["task_id"] not in done]
-    n_extra = cfg.distill.extra_samples
-    extra_done = load_extra_samples(ws.answers_file, n_extra) if n_extra else {}
-    if n_logprobs:
-        extra_done = {k: r for k, r in extra_done.items() if "completion_logprobs" in r}
-    todo += [(p, j) for j in range(1, n_extra + 1) for p in prompts
-             if (p["task_id"], j) not in extra_done]  # fmt: skip
+    # Main answers first (sample 0), then extra samples 1..N.
+    todo = [(p, j) for j in range(n_extra + 1) for p in prompts
+            if (p["task_id"], j) not in done]  # fmt: skip
     log.info(
         "distill: %d prompts, %d already answered, %d answers to go (%d extra samples each)",
         len(prompts),
-        len(wanted & set(done)),
+        sum((t, 0) in done for t in wanted),
         len(todo),
         n_extra,
     )
@@ -432,10 +424,9 @@ def run(cfg: Config, ws: Workspace) -> dict[str, Any]:
         else:
             _answer_all(cfg, ws, cfg.teacher.url, model, todo, stats, concurrency)
     elapsed = time.perf_counter() - t_start
-    rows = load_answers(ws.answers_file)
-    mine = [rows[i] for i in (p["task_id"] for p in prompts) if i in rows]
-    extras = load_extra_samples(ws.answers_file, n_extra) if n_extra else {}
-    missing = wanted - set(rows)
+    rows = load_all_answers(ws.answers_file)
+    mine = [rows[(p["task_id"], 0)] for p in prompts if (p["task_id"], 0) in rows]
+    missing = wanted - {t for t, j in rows if j == 0}
     if missing:
         raise PhoenixError(
             f"{len(missing)} prompts still lack an answer: rerun distill to finish them"
@@ -443,7 +434,7 @@ def run(cfg: Config, ws: Workspace) -> dict[str, Any]:
     summary = {
         "answers": len(mine),
         "truncated": sum(r["finish_reason"] == "length" for r in mine),
-        "extra_samples": len([k for k in extras if k[0] in wanted]),
+        "extra_samples": sum(t in wanted and 1 <= j <= n_extra for t, j in rows),
         "answered_this_run": len(todo),
         "retries": stats["retries"],
         "mean_latency_s": sum(r["latency_s"] for r in mine) / len(mine) if mine else 0.0,

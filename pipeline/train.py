@@ -23,7 +23,7 @@ from typing import Any
 from . import distillation, models
 from .config import Config
 from .errors import InputError
-from .teacher import load_answers, load_extra_samples
+from .teacher import load_all_answers
 from .workspace import (
     Workspace,
     atomic_write_json,
@@ -129,12 +129,12 @@ def _process_state():
 def training_answers(cfg: Config, ws: Workspace) -> list[dict]:
     """What train learns from: each prompt's main answer, then its extra samples 1..N
     (`distill.extra_samples`)."""
-    answers = list(load_answers(ws.answers_file).values())  # one row per task_id
+    rows = load_all_answers(ws.answers_file)
+    answers = [r for (_, j), r in rows.items() if j == 0]  # one row per task_id
     if not answers:
         raise InputError(f"{ws.answers_file} has no answers")
-    if cfg.distill.extra_samples:
-        answers += list(load_extra_samples(ws.answers_file, cfg.distill.extra_samples).values())
-    return answers
+    n = cfg.distill.extra_samples
+    return answers + [r for (_, j), r in rows.items() if 1 <= j <= n]
 
 
 def run(cfg: Config, ws: Workspace, force: bool = False) -> dict[str, Any]:

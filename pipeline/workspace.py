@@ -21,7 +21,7 @@ from .errors import LockHeld
 log = logging.getLogger(__name__)
 
 LOCK_NAME = "phoenix.lock"
-LOCK_HEARTBEAT_S = 30.0  # defaults of the config's `lock` section
+LOCK_HEARTBEAT_S = 30.0  # the config's `lock` section's defaults
 LOCK_STALE_AFTER_S = 600.0
 
 

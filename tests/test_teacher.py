@@ -293,7 +293,7 @@ def test_extra_samples_are_asked_once_each_seeded_and_kept_apart(tmp_path, mbpp_
     """distill.extra_samples: beside each main answer (greedy, first), N answers sampled at
     distill.sample_temperature with a seed per task and sample; a rerun asks for none again,
     and raising N asks only for the new ones. The main answers stay what load_answers reads."""
-    from pipeline.teacher import load_answers, load_extra_samples
+    from pipeline.teacher import load_all_answers
 
     art = tmp_path / "art"
     with FakeOpenAI() as fake:
@@ -314,7 +314,7 @@ def test_extra_samples_are_asked_once_each_seeded_and_kept_apart(tmp_path, mbpp_
     assert len({b["seed"] for b in sampled}) == 6
     answers = art / "teacher" / "answers.jsonl"
     assert len(load_answers(answers)) == 3
-    assert sorted(k[1] for k in load_extra_samples(answers, 3)) == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert sorted(j for _, j in load_all_answers(answers)) == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
     summary = json.loads((art / "teacher" / "summary.json").read_text())
     assert summary["answers"] == 3 and summary["extra_samples"] == 9
     from pipeline.config import load_config

@@ -305,18 +305,3 @@ def draft_scores(
     ends = torch.tensor([len(f) for f in feeds]).cumsum(0) - 1
     h = hidden[ends.to(hidden.device)]
     return _head(model, h) if head is None else F.linear(h, head)
-
-
-def draft_next(
-    model,
-    cache: RowCache,
-    slots: Sequence[int],
-    feeds: Sequence[Sequence[int]],
-    pad_id: int,
-    head: torch.Tensor | None,
-    head_ids: torch.Tensor | None,
-) -> list[int]:
-    """The draft's greedy next token for each row after its feed; with `head` (rows of the
-    output embedding for `head_ids`) only those tokens are scored."""
-    best = draft_scores(model, cache, slots, feeds, head).argmax(-1)
-    return (best if head_ids is None else head_ids[best]).tolist()
