@@ -11,9 +11,10 @@ measures a Phoenix server already running (another build, say) instead of starti
 One Phoenix server (`python -m pipeline serve`, as `make serve` starts it; `--set` passes config
 overrides to it, e.g. `engine.compile=false`) serves every mode: each request names its mode
 (`phoenix.mode`), so all modes share one engine, one warm-up and one bandit. The bandit starts
-fresh (the workspace's saved state is set aside and put back after). For each mode, and then for
-each vLLM arm (a vLLM server per arm, the same target and draft), every concurrency c is warmed
-(c requests of 8 tokens, outside every figure), then the same held-out prompts in the same order
+fresh (the workspace's saved state is set aside and put back after). Phoenix, and then each vLLM
+arm (a vLLM server per arm, the same target and draft), is warmed at every concurrency c (c
+requests of 8 tokens, outside every figure; Phoenix's in target mode, so the bandit learns only
+from measured requests), then the same held-out prompts in the same order
 (`--requests`, at least 2 per client) go out as streamed chat requests (`--no-stream`: plain
 ones, as the openai client sends by default), c at a time, greedy,
 `--tokens` each, opted out of traffic capture. Per point: aggregate output tokens/s over the wall
@@ -47,12 +48,14 @@ def sweep(ep, model, prompts, args, extra, label) -> dict[int, dict]:
     return sweep_modes(ep, model, prompts, args, {label: extra})[label]
 
 
-def sweep_modes(ep, model, prompts, args, extras: dict[str, dict | None]) -> dict[str, dict]:
-    """Warm every mode at every concurrency, then one point per concurrency and mode, the modes
-    of a concurrency back to back (the machine's speed drifts by up to a fifth in an hour:
-    modes compared at one concurrency are measured minutes apart, not a quarter of an hour);
-    the same prompts, in order."""
-    for extra in extras.values():
+def sweep_modes(
+    ep, model, prompts, args, extras: dict[str, dict | None], warm: list | None = None
+) -> dict[str, dict]:
+    """Warm every concurrency (with each of `warm`'s request fields, default every mode's),
+    then one point per concurrency and mode, the modes of a concurrency back to back (the
+    machine's speed drifts by up to a fifth in an hour: modes compared at one concurrency are
+    measured minutes apart, not a quarter of an hour); the same prompts, in order."""
+    for extra in extras.values() if warm is None else warm:
         for c in args.clients:
             loadtest.sweep_point(ep, model, prompts[:c], c, 8, extra, stream=args.stream)
     points: dict[str, dict] = {label: {} for label in extras}
@@ -89,7 +92,11 @@ def phoenix_sweep(args, cfg, ws) -> dict:
             model = ep.model()
             extras = {mode: {"phoenix": {**NO_CAPTURE, "mode": mode}, **sampled(args)}
                       for mode in args.modes}  # fmt: skip
-            modes = sweep_modes(ep, model, prompts, args, extras)
+            # The engine is warmed by target-only requests: warming in bandit mode taught the
+            # bandit its first acceptance figures from 8-token openings of answers, not from
+            # the requests it is measured on.
+            target = {"phoenix": {**NO_CAPTURE, "mode": "target"}, **sampled(args)}
+            modes = sweep_modes(ep, model, prompts, args, extras, warm=[target])
     finally:
         state.unlink(missing_ok=True)
         if aside.exists():

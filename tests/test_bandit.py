@@ -427,6 +427,74 @@ def test_goodput_reads_the_measured_curve_flat_for_a_few_tokens_then_steep():
     assert b.predict("0", Context(rows=16, step_cost=curve)) == pytest.approx(16 / 0.29)
 
 
+def test_goodput_prices_a_row_by_what_it_adds_to_the_batch():
+    """The prediction is the batch's goodput with the row in it: the other rows' tokens fed and
+    committed per step (the context's) plus the row's, over the whole step at that size and
+    the draft passes it adds (the marginal draft pass when other rows draft already)."""
+    from pipeline.speculative.bandit import Context, step_seconds
+
+    b = goodput_bandit()
+    for _ in range(4):
+        b.choose()
+    teach(b, "draft:2", 10, [10, 10], [8, 6])  # tokens 2.4, fed 3
+    teach(b, "ngram:4", 10, [5, 5, 5, 5], [4, 3, 2, 1])  # tokens 2.0, fed 3
+    step = ((1.0, 0.09), (4.0, 0.10), (8.0, 0.14), (32.0, 0.38))
+    draft = ((1.0, 0.010), (4.0, 0.016))
+    ctx = Context(rows=6, step_cost=step, draft_cost=draft, draft_rows=2,
+                  others_fed=9.0, others_tokens=7.5)  # fmt: skip
+    s = lambda x: step_seconds(step, x)  # noqa: E731
+    assert b.predict("0", ctx) == pytest.approx(8.5 / s(10))
+    assert b.predict("ngram:4", ctx) == pytest.approx(9.5 / s(12))
+    marginal = step_seconds(draft, 3) - step_seconds(draft, 2)
+    assert b.predict("draft:2", ctx) == pytest.approx(9.9 / (s(12) + 2 * marginal))
+    # Without the others' figures: rows - 1 plain rows.
+    bare = Context(rows=6, step_cost=step, draft_cost=draft)
+    assert b.predict("ngram:4", bare) == pytest.approx(7.0 / s(8))
+    assert b.predict("draft:2", bare) == pytest.approx(7.4 / (s(8) + 2 * 0.010))
+    # Alone this pass costs about a token's: prompt lookup pays; beside 15 plain rows its 2
+    # extra tokens fed cost every row's step more than its one extra token gives the batch.
+    assert b.predict("ngram:4", Context(rows=1, step_cost=step)) > b.predict(
+        "0", Context(rows=1, step_cost=step)
+    )
+    loaded = Context(rows=16, step_cost=step)
+    assert b.predict("ngram:4", loaded) < b.predict("0", loaded)
+
+
+def test_the_step_gate_lets_a_bandit_row_guess_where_it_pays_at_this_batch():
+    """`GoodputBandit.pays` and `Policy.may_guess` (the scheduler's per-step gate): alone a
+    row guesses; beside 15 plain rows its guesses cost more than they give the batch; beside
+    one, on a pass flat for a few tokens, they pay. Fixed arms and plain rows always may;
+    other policies gate nothing."""
+    from pipeline.serving.policy import Policy
+    from pipeline.speculative.arms import parse_arm
+    from pipeline.speculative.bandit import Context
+    from pipeline.speculative.batch import Row
+
+    b = goodput_bandit(arms=("0", "ngram:4"))
+    for _ in range(2):
+        b.choose()
+    teach(b, "ngram:4", 10, [10, 10, 10, 10], [6, 4, 2, 1])  # tokens 2.3, fed 5
+    step = ((1.0, 0.09), (6.0, 0.10), (16.0, 0.25), (32.0, 0.50))
+    assert b.pays("ngram:4", Context(rows=1, step_cost=step))
+    assert b.pays("ngram:4", Context(rows=2, step_cost=step, others_fed=1, others_tokens=1))
+    assert not b.pays("ngram:4", Context(rows=16, step_cost=step))
+    assert b.pays("ngram:4", Context(rows=16))  # no figures yet: the choice stands
+
+    def row(arm: str, adaptive: bool, rounds=4, proposed=0, accepted=0) -> Row:
+        return Row(key=None, prompt=[1], max_tokens=8, arm=parse_arm(arm), epoch=0, start=0.0,
+                   tslot=0, adaptive=adaptive, rounds=rounds, proposed=proposed,
+                   accepted=accepted)  # fmt: skip
+
+    policy = Policy(b)
+    pair = [row("ngram:4", True), row("0", True)]
+    assert policy.may_guess(pair, step, None) == [True, True]
+    full = [row("ngram:4", True), row("ngram:4", False), *[row("0", True) for _ in range(14)]]
+    assert policy.may_guess(full, step, None) == [False, *[True] * 15]
+    assert policy.may_guess(full[:1], step, None) == [True]  # alone
+    plausible = Policy(EpsilonGreedy(["0", "ngram:4"], random.Random(0)))
+    assert plausible.may_guess(full, step, None) == [True] * 16
+
+
 def test_goodput_explores_only_near_the_best_prediction():
     from pipeline.speculative.bandit import Context
 
@@ -447,7 +515,7 @@ def test_goodput_beside_other_rows_a_near_tie_goes_to_plain():
     the policy's to explore as before."""
     from pipeline.speculative.bandit import Context
 
-    curve = ((1.0, 0.090), (5.0, 0.100), (8.0, 0.160), (16.0, 0.300))
+    curve = ((1.0, 0.090), (5.0, 0.100), (8.0, 0.160), (16.0, 0.170))  # flat past 8 tokens
     b = goodput_bandit(arms=("0", "ngram:2"), epsilon_start=1.0, epsilon_floor=1.0,
                        explore_margin=0.5)  # fmt: skip
     for _ in range(2):
@@ -460,7 +528,7 @@ def test_goodput_beside_other_rows_a_near_tie_goes_to_plain():
         plain = b.predict("0", ctx)
         for hit in range(0, 1001):
             b.positions.clear()
-            teach(b, "ngram:2", 1000, [500, 0], [hit, 0])
+            teach(b, "ngram:2", 1000, [1000, 0], [hit, 0])
             if b.predict("ngram:2", ctx) >= gain * plain:
                 return ctx
         raise AssertionError("no acceptance reaches that gain")

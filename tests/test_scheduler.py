@@ -12,6 +12,7 @@ from pipeline.models import user_prompt_ids
 from pipeline.serving.request import Cancelled, Refused
 from pipeline.serving.scheduler import Job, Scheduler
 from pipeline.speculative.arms import parse_arm
+from pipeline.speculative.bandit import per_step
 from pipeline.speculative.batch import RowBatch, StepCost
 from pipeline.speculative.engine import SpeculativeEngine
 from pipeline.speculative.rows import RowCache, target_scores
@@ -200,6 +201,74 @@ def test_step_cost_curve_is_the_mean_time_per_size_bucket():
     for _ in range(60):  # the machine slows: the bucket follows its recent steps
         cost.observe(1, 0.2)
     assert cost.curve()[0][1] == pytest.approx(0.2, rel=0.01)
+
+
+def test_the_step_curve_times_the_whole_step_less_draft_passes_and_callbacks(engine):
+    """The policy's curve is the step's time but its draft passes (priced apart) and the
+    caller's per-token callbacks; the rows' charges sum to what was timed (no draft rows here); `per_step` is what
+    the rows feed and commit per step, from their own counters."""
+    tok, eng = engine
+    batch = RowBatch(eng, 4)
+    ids = user_prompt_ids(tok, PROMPTS[3])
+    batch.join([(i, ids, 8, parse_arm(a)) for i, a in enumerate(["0", "ngram:2", "ngram:4"])])
+    before = [r.cost_s for r in batch.rows]
+
+    def slow(row) -> bool:
+        time.sleep(0.1)
+        return False
+
+    t0 = time.perf_counter()
+    batch.step(slow)
+    wall = time.perf_counter() - t0
+    ((n, secs),) = batch.cost.curve()
+    assert n == sum(1 + r.proposed for r in batch.rows)  # one step: tokens fed
+    assert wall > 0.3 and secs < wall - 0.3 + 1e-3  # the three callbacks' 0.3 s are not in it
+    charged = sum(r.cost_s - b for r, b in zip(batch.rows, before, strict=True))
+    assert charged == pytest.approx(secs, rel=1e-6)
+    batch.step()
+    fed, tokens = per_step(batch.rows)
+    assert fed == pytest.approx(sum(1 + r.proposed / 2 for r in batch.rows))
+    assert tokens == pytest.approx(sum(1 + r.accepted / 2 for r in batch.rows))
+    fresh = batch.join([(9, ids, 8, parse_arm("ngram:4"))])
+    assert per_step(fresh) == (5.0, 1.0)  # not stepped yet: k guesses, one token
+
+
+def test_the_gate_holds_back_adaptive_rows_only_and_outputs_stay_exact(engine):
+    """A gate that says no to every row: the bandit's (adaptive) rows run as plain rows and
+    count no guessing rounds; a fixed arm's row guesses as before; every output is still its
+    target-only output. The scheduler hands its gate to every step and marks a job's row
+    adaptive as the job says."""
+    tok, eng = engine
+    ids = user_prompt_ids(tok, PROMPTS[3])
+    want = reference(eng, ids, 12).token_ids
+    asked = []
+
+    def never(rows):
+        asked.append(len(rows))
+        return [False] * len(rows)
+
+    loop = Scheduler(RowBatch(eng, 4), gate=never)
+    try:
+        jobs = {}
+        done = threading.Semaphore(0)
+        for name, arm, adaptive in [("bandit-ngram", "ngram:4", True),
+                                    ("bandit-draft", "draft:2", True),
+                                    ("fixed-ngram", "ngram:4", False),
+                                    ("bandit-plain", "0", True)]:  # fmt: skip
+            jobs[name] = Job(ids, 12, parse_arm(arm), lambda _j: done.release(),
+                             adaptive=adaptive)  # fmt: skip
+        for job in jobs.values():
+            loop.submit(job)
+        for _ in jobs:
+            assert done.acquire(timeout=120)
+    finally:
+        loop.stop()
+    res = {name: job.result for name, job in jobs.items()}
+    assert all(r.token_ids == want for r in res.values())
+    assert asked and max(asked) >= 2
+    for name in ("bandit-ngram", "bandit-draft"):
+        assert res[name].proposed == 0 and res[name].guess_rounds == 0
+    assert res["fixed-ngram"].proposed > 0 and res["fixed-ngram"].guess_rounds > 0
 
 
 def test_a_qwen3_pair_runs_the_loop_exactly(model_cache):

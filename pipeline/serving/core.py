@@ -20,7 +20,7 @@ from .. import models
 from ..artifacts import weights_id
 from ..config import Config
 from ..speculative.arms import parse_arm
-from ..speculative.bandit import Context
+from ..speculative.bandit import Context, per_step
 from ..speculative.batch import RowBatch
 from .policy import Policy, make_policy
 from .request import CoreResult, Mode, Request, parse_mode
@@ -58,7 +58,7 @@ class ServingCore:
         if not self.has_draft and any(parse_arm(a).needs_draft for a in policy.arms):
             raise ValueError(f"bandit arms {policy.arms} include draft arms, and there is no draft")
         self.default_mode = parse_mode(default_mode, policy.arms, self.has_draft)
-        self.scheduler = Scheduler(RowBatch(pair.engine, max_rows, limit))
+        self.scheduler = Scheduler(RowBatch(pair.engine, max_rows, limit), gate=self._gate)
         self._labels = {0: draft_id}  # draft epoch -> the draft's label
         # A prompt longer than this cannot fit the context, whatever its tokens: refused before
         # it is tokenised (a byte-level token spells at most its longest entry's characters).
@@ -114,15 +114,29 @@ class ServingCore:
         """What the policy sees of the batch a request would join now."""
         batch, s = self.scheduler.batch, self.scheduler
         others = s.running + s.waiting
+        rows = min(batch.max_rows, others + 1)
+        running = list(batch.rows)
+        fed, tokens = per_step(running[: rows - 1])
+        plain = max(0, rows - 1 - len(running))  # waiting requests: counted as plain rows
         return Context(
             prompt_tokens=prompt_tokens,
             queue_depth=others,
-            rows=min(batch.max_rows, others + 1),
+            rows=rows,
             step_cost=batch.cost.curve() if batch.cost.seen else None,
             draft_cost=batch.draft_cost.curve() if batch.draft_cost.seen else None,
-            draft_rows=sum(1 for r in list(batch.rows) if r.dslot is not None),
+            draft_rows=sum(1 for r in running if r.dslot is not None),
             temperature=temperature,
+            others_fed=fed + plain,
+            others_tokens=tokens + plain,
         )
+
+    def _gate(self, rows: list) -> list[bool]:
+        """The scheduler's per-step gate: which of the bandit's rows may guess at this batch."""
+        batch = self.scheduler.batch
+        if not batch.cost.seen:
+            return [True] * len(rows)
+        draft = batch.draft_cost.curve() if batch.draft_cost.seen else None
+        return self.policy.may_guess(rows, batch.cost.curve(), draft)
 
     def submit(self, req: Request) -> None:
         """Hand one request to the loop (does not block): `req.future` gets its CoreResult."""
@@ -188,6 +202,7 @@ class ServingCore:
                 req.cancel,
                 req.submitted,
                 sampling=req.sampling,
+                adaptive=decision is not None,
             )  # fmt: skip
         )
 

@@ -38,6 +38,7 @@ from ..speculative.bandit import (
     EpsilonGreedy,
     GoodputBandit,
     load_bandit,
+    per_step,
     save_bandit,
     step_seconds,
 )
@@ -111,6 +112,32 @@ class Policy:
             return Decision(arm, False, False, 0.0, means, dict(self.bandit.counts), probe=True)
         return self.bandit.choose(context)
 
+    def may_guess(self, rows: list, step_cost: tuple, draft_cost: tuple | None) -> list[bool]:
+        """Per row of a step (`batch.Row`s): whether it may guess this step. The goodput policy
+        judges each adaptive row's arm at this batch (`GoodputBandit.pays`: the other rows' own
+        figures, the loop's curves); other policies, and fixed arms, always may."""
+        if not isinstance(self.bandit, GoodputBandit) or len(rows) <= 1:
+            return [True] * len(rows)
+        fed, tokens = per_step(rows)
+        drafting = sum(r.dslot is not None for r in rows)
+        out = []
+        for r in rows:
+            if not r.adaptive or r.arm.k == 0:
+                out.append(True)
+                continue
+            f, t = per_step([r])
+            context = Context(
+                rows=len(rows),
+                step_cost=step_cost,
+                draft_cost=draft_cost,
+                draft_rows=drafting - (r.dslot is not None),
+                temperature=r.sampling.temperature,
+                others_fed=fed - f,
+                others_tokens=tokens - t,
+            )
+            out.append(self.bandit.pays(str(r.arm), context))
+        return out
+
     def reward(
         self, decision: Decision, result, context: Context, step_cost: tuple | None = None
     ) -> dict | None:
@@ -120,7 +147,8 @@ class Policy:
         res = result.result
         reward = result.goodput
         weight = max(res.cost_s or res.latency_s, 1e-6)  # an arm's mean: its tokens over its time
-        positions = (res.rounds, res.proposed_per_position, res.accepted_per_position)
+        rounds = res.rounds if res.guess_rounds is None else res.guess_rounds
+        positions = (rounds, res.proposed_per_position, res.accepted_per_position)
         if isinstance(self.bandit, GoodputBandit):
             self.bandit.update(
                 decision.arm, reward, context, res.acceptance, weight, positions=positions

@@ -50,6 +50,7 @@ class Job:
     error: BaseException | None = None
     epoch: int = -1
     sampling: Sampling = GREEDY
+    adaptive: bool = False  # the bandit chose its arm: the scheduler's gate may hold it back
 
 
 def background(fn: Callable[[], object], name: str) -> threading.Thread:
@@ -61,8 +62,16 @@ def background(fn: Callable[[], object], name: str) -> threading.Thread:
 
 
 class Scheduler:
-    def __init__(self, batch: RowBatch, name: str = "phoenix-steps"):
+    def __init__(
+        self,
+        batch: RowBatch,
+        name: str = "phoenix-steps",
+        gate: Callable[[list[Row]], list[bool]] | None = None,
+    ):
+        """`gate(rows)`: per row, whether it may guess this step (`RowBatch.step`); called
+        from this thread once per step."""
         self.batch = batch
+        self.gate = gate
         self.queue: queue.Queue[Job] = queue.Queue()
         self.calls: queue.Queue[tuple[Callable, threading.Event, list]] = queue.Queue()
         self._wake = threading.Event()
@@ -190,6 +199,7 @@ class Scheduler:
             return
         for row in rows:
             row.key.epoch = row.epoch
+            row.adaptive = row.key.adaptive
         self._beat()
 
     def _step(self) -> None:
@@ -199,7 +209,7 @@ class Scheduler:
             return stop or job.cancel.is_set()
 
         try:
-            finished = self.batch.step(on_tokens)
+            finished = self.batch.step(on_tokens, self.gate)
         except Exception as exc:  # noqa: BLE001 - the step's rows hear of it; the loop goes on
             log.exception("step failed; its %d requests fail with it", len(self.batch.rows))
             for row in self.batch.reset():

@@ -59,6 +59,9 @@ class Context:
     step_cost: tuple[tuple[float, float], ...] | None = None
     draft_cost: tuple[tuple[float, float], ...] | None = None
     draft_rows: int = 0  # rows drafting with the draft model now (without this one)
+    # What the other rows of that batch feed and commit per step (None: rows - 1 plain rows).
+    others_fed: float | None = None
+    others_tokens: float | None = None
     temperature: float = 0.0  # the request's sampling temperature (acceptance falls as it rises)
 
 
@@ -89,6 +92,18 @@ def step_seconds(curve: tuple[tuple[float, float], ...], n: float) -> float:
         return proportional
     xp, yp = curve[-2]
     return max(proportional, yl + max(0.0, (yl - yp) / max(xl - xp, 1e-9)) * (n - xl))
+
+
+def per_step(rows) -> tuple[float, float]:
+    """What the step loop's `rows` (`batch.Row`: rounds, proposed, accepted, arm.k) feed the
+    target and commit per step, summed: each row's own means so far (a row that has not
+    stepped yet: its k guesses fed, one token committed)."""
+    fed = tokens = 0.0
+    for r in rows:
+        n = r.rounds
+        fed += 1 + (r.proposed / n if n else r.arm.k)
+        tokens += 1 + (r.accepted / n if n else 0.0)
+    return fed, tokens
 
 
 @dataclass(frozen=True)
@@ -378,22 +393,28 @@ class ContextualBandit(EpsilonGreedy):
 class GoodputBandit(EpsilonGreedy):
     """The arm with the best predicted goodput at the load the request joins (policy `goodput`).
 
-    Goodput is what a row commits per second of the batch's time it takes. For arm s:k at a
-    batch of n rows (the context's), with the step loop's measured curves (T(x): a target pass
-    feeding x tokens; D(m): a draft pass for m rows; `step_seconds`):
+    Goodput is what the batch commits per second. A request joins a batch whose other rows feed
+    F_o tokens and commit R_o tokens a step (the context's; without them, rows - 1 plain rows:
+    F_o = R_o = rows - 1). With the step loop's measured curves (S(x): a whole step, proposals,
+    target pass and acceptance, draft passes excepted, feeding x tokens; D(m): a draft pass for
+    m rows; `step_seconds`), arm s:k is predicted at
 
         tokens(s:k) = 1 + sum_{i<k} P_s[i]       P_s[i]: share of s's rounds that could guess
                                                   at position i whose guesses 1..i+1 were all
                                                   accepted
         fed(s:k)    = 1 + sum_{i<k} Q_s[i]       Q_s[i]: share of them that guessed there
-        cost(s:k)   = T(n * fed) / n + [s = draft] * k * D(m) / m     (m: drafting rows)
-        goodput     = tokens / cost              (arm 0: n / T(n))
+        draft(s:k)  = [s = draft] * k * (D(1) if no other row drafts, else D(m + 1) - D(m))
+        goodput     = (R_o + tokens) / (S(F_o + fed) + draft)      (arm 0: (R_o + 1) / S(F_o + 1))
 
-    (the row's share of a step in which every row did as it does: the steady state if the
-    choice holds). One client: a pass of a few tokens costs about one token's, and drafting
-    pays as far as acceptance carries it; a full batch: every token fed costs its full share,
-    so every guess the target rejects costs as much as a token, and the policy drafts less,
-    then not at all. Acceptance is learnt per strategy, position and temperature bucket from
+    the batch's goodput with this row in it: a row's guesses are charged at their marginal cost,
+    the time they add to every row's step. One client (R_o = F_o = 0): a pass of a few tokens
+    costs about one token's, and drafting pays as far as acceptance carries it. Beside n - 1
+    plain rows the row's extra tokens are a 1/n gain to the batch, against what its guesses add
+    to the whole step: on a CPU, where a pass grows with every token past a few, the policy
+    drafts less as rows grow, then not at all. (A per-row share of the step, the previous rule,
+    priced a row's guesses at a 1/n part of what they cost the rows beside it, and kept prompt
+    lookup at 16 rows where it lost a fifth of the batch's throughput.) Acceptance is learnt
+    per strategy, position and temperature bucket from
     every request (it does not depend on the load, nor on k for a greedy proposer; it falls as
     the temperature rises: a bucket not measured yet borrows the greedy figures), so what one
     client taught holds at sixteen, with no exploration per load. The counts decay (`decay` per round) so a
@@ -428,9 +449,11 @@ class GoodputBandit(EpsilonGreedy):
         if context is None or context.step_cost is None:
             return None
         n = max(1, context.rows)
+        fed_o = n - 1 if context.others_fed is None else context.others_fed
+        tokens_o = n - 1 if context.others_tokens is None else context.others_tokens
         s, k = strategy_of(arm), int(str(arm).partition(":")[2] or 0)
         if not s or k == 0:
-            return n / max(step_seconds(context.step_cost, n), 1e-9)
+            return (tokens_o + 1) / max(step_seconds(context.step_cost, fed_o + 1), 1e-9)
         # Acceptance at this temperature; until it is measured, the greedy figures stand in.
         st = self.positions.get(self._key(s, context)) or self.positions.get(s)
         top = self.top
@@ -439,11 +462,11 @@ class GoodputBandit(EpsilonGreedy):
         elig, prop, acc = st[:top], st[top : 2 * top], st[2 * top :]
         tokens = 1 + sum(acc[i] / elig[i] for i in range(k))
         fed = 1 + sum(prop[i] / elig[i] for i in range(k))
-        cost = step_seconds(context.step_cost, n * fed) / n  # every row as this one: its share
+        cost = step_seconds(context.step_cost, fed_o + fed)  # the whole batch's step
         if s == "draft" and context.draft_cost is not None:
-            m = context.draft_rows + 1
-            cost += k * step_seconds(context.draft_cost, m) / m
-        return tokens / max(cost, 1e-9)
+            d, m = context.draft_cost, context.draft_rows  # m other rows draft already
+            cost += k * max(0.0, step_seconds(d, m + 1) - (step_seconds(d, m) if m else 0.0))
+        return (tokens_o + tokens) / max(cost, 1e-9)
 
     def choose(self, context: Context | None = None) -> Decision:
         if context is None or context.step_cost is None:
@@ -467,11 +490,25 @@ class GoodputBandit(EpsilonGreedy):
             self.t += 1
             return self._decision(arm, explored, False, eps, context, values)
 
+    def pays(self, arm, context: Context) -> bool:
+        """Whether a row running `arm` should guess in a step of the batch in `context` (the
+        step loop asks each step, as SmartSpec and vLLM's dynamic speculation choose the draft
+        length by the batch): alone, or without the loop's figures, yes (the arm was chosen for
+        it); beside other rows, when its predicted goodput beats plain's by `speculate_margin`.
+        A request chosen when it arrived alone keeps its arm, but stops guessing once the batch
+        has filled around it, and guesses again when it empties."""
+        if context.rows <= 1 or context.step_cost is None:
+            return True
+        plain = next((a for a in self.arms if not strategy_of(a)), "0")
+        with self._lock:
+            v, p = self.predict(arm, context), self.predict(plain, context)
+        return v is not None and p is not None and v >= (1 + self.speculate_margin) * p
+
     def _allowed(self, values: dict, context: Context) -> list:
         """The arms a request may get. Alone: all. Beside other rows: plain, and the speculative
-        arms predicted to beat plain by `speculate_margin` (a near-tie goes to plain: a
-        speculative row's extra tokens slow every row beside it, and the prediction prices the
-        target pass alone, not the step's other per-token work); no arm is explored there whose
+        arms predicted to beat plain by `speculate_margin` (a near-tie goes to plain: the
+        curve's noise at one size is of that order, and a wrong guess costs every row beside
+        it); no arm is explored there whose
         acceptance is unknown (acceptance does not depend on the load: it is learnt alone)."""
         plain = next((a for a in self.arms if not strategy_of(a)), None)
         if context.rows <= 1 or plain is None or values.get(plain) is None:

@@ -21,9 +21,12 @@ and leave when they finish, are cancelled or fail. One step:
 A row asking for logprobs gets, per committed token, the target's log-probability and its top
 alternatives, from the same pass (`sampling.top_logprobs`).
 
-Cost: a step's time is split among its rows (`StepCost`: time = a + b * tokens fed, fitted
-online; a row's share = a / rows + b * its tokens, scaled so the shares sum to the step). A
-draft pass is split equally among the rows it drafted for. A row's `cost_s` is its prefill plus
+Cost: a step is timed whole (proposals, target pass, acceptance and rollback), less its draft
+passes, timed apart, and the caller's per-token callbacks (text work every arm pays per token
+committed): `StepCost` against tokens fed. Timing the target pass alone missed the per-token
+work around it, a fifth of a 16-row step. The step's time is split among its rows (time = a +
+b * tokens fed, fitted online; a row's share = a / rows + b * its tokens, scaled so the shares
+sum to the step). A draft pass is split equally among the rows it drafted for. A row's `cost_s` is its prefill plus
 its shares: `tokens / cost_s` is what its arm cost the batch (the policy's reward, goodput).
 With one row the share is the whole step: tokens/s as a lone request sees them. What the
 policy predicts with is `StepCost.curve()`: the measured time per step size.
@@ -127,6 +130,8 @@ class Row:
     proposed: int = 0
     accepted: int = 0
     rounds: int = 0
+    guess_rounds: int = 0  # steps it was let guess (k_eff > 0)
+    adaptive: bool = False  # its guesses are gated per step by the batch (`step`'s gate)
     proposed_pos: list[int] = field(default_factory=list)
     accepted_pos: list[int] = field(default_factory=list)
     draft_s: float = 0.0
@@ -149,6 +154,7 @@ class Row:
             rounds=self.rounds,
             proposed_per_position=self.proposed_pos,
             accepted_per_position=self.accepted_pos,
+            guess_rounds=self.guess_rounds,
             first_token_s=self.first_s,
             cost_s=self.cost_s,
             queued_s=queued_s,
@@ -302,20 +308,33 @@ class RowBatch:
                 next(r for r in self.rows if r.dslot == moved).dslot = row.dslot
         self.rows.remove(row)
 
-    def step(self, on_tokens: Callable[[Row], bool] | None = None) -> list[tuple[Row, str]]:
+    def step(
+        self,
+        on_tokens: Callable[[Row], bool] | None = None,
+        gate: Callable[[list[Row]], list[bool]] | None = None,
+    ) -> list[tuple[Row, str]]:
         """One step over every row. `on_tokens(row)` runs for each row that committed tokens;
-        True ends it (a stop string, a caller gone). Returns `(row, finish_reason)` for the rows
+        True ends it (a stop string, a caller gone). `gate(rows)`, if given, says per row
+        whether it may guess this step; it binds the `adaptive` rows only (a bandit's choice,
+        where a fixed arm is the caller's): a row held back runs this step as a plain row. Returns `(row, finish_reason)` for the rows
         that finished ("stop": end-of-turn or `on_tokens`; "length": budget or context), which
         have left the batch. After an exception the caller fails every row (`reset`)."""
+        t0 = time.perf_counter()
         rows = list(self.rows)
         for r in rows:
             k = min(r.arm.k, r.max_tokens - len(r.out) - 1, self.limit - len(r.seq) - 1)
             r.k_eff, r.drafts, r.q = max(0, k), [], []
+        if gate is not None and any(r.adaptive and r.k_eff > 0 for r in rows):
+            for r, ok in zip(rows, gate(rows), strict=True):
+                if r.adaptive and not ok:
+                    r.k_eff = 0
+        for r in rows:
+            r.guess_rounds += r.k_eff > 0
         # 1. proposals
         for r in rows:
             if r.ngram is not None and r.k_eff > 0:
                 r.drafts = r.ngram.propose(r.seq, r.k_eff)[: r.k_eff]
-        self._draft([r for r in rows if r.dslot is not None and r.k_eff > 0])
+        drafting_s = self._draft([r for r in rows if r.dslot is not None and r.k_eff > 0])
         # 2. one target pass over every row
         tc, dc = self._caches()
         feeds = [[r.seq[-1], *r.drafts] for r in rows]
@@ -324,7 +343,6 @@ class RowBatch:
         preds = split_rows(logits.argmax(-1).tolist(), feeds)
         t2 = time.perf_counter()
         fed = [len(f) for f in feeds]
-        self.cost.observe(sum(fed), t2 - t1)
         shares = self.cost.shares(fed)
         self.steps += 1
         # 3. acceptance and rollback, row by row
@@ -337,6 +355,7 @@ class RowBatch:
                                                    [rows[i].sampling for i in sampled]),
                          strict=True))  # fmt: skip
         shared = (time.perf_counter() - t2) / max(1, len(sampled))
+        callbacks_s, owns = 0.0, []
         for j, (r, p, share) in enumerate(zip(rows, preds, shares, strict=True)):
             r0 = time.perf_counter()
             d = r.drafts
@@ -353,8 +372,8 @@ class RowBatch:
                 r.logprobs += top_logprobs(mine[j][: len(new)], new, r.sampling.logprobs)
             # Its own draws and logprobs (a greedy row: ~0).
             own = time.perf_counter() - r0 + (0.0 if r.sampling.greedy else shared)
+            owns.append(own)
             r.verify_s += pass_s * share + own
-            r.cost_s += pass_s * share + own
             r.rows_seen += len(rows)
             r.rounds += 1
             r.proposed += len(d)
@@ -376,21 +395,31 @@ class RowBatch:
             r.out += new
             if r.first_s is None:
                 r.first_s = t2 - r.start
+            c0 = time.perf_counter()
             stop = bool(new) and on_tokens is not None and on_tokens(r)
+            callbacks_s += time.perf_counter() - c0
             if hit_eos or stop:
                 finished.append((r, "stop"))
             elif len(r.out) >= r.max_tokens or len(r.seq) >= self.limit:
                 finished.append((r, "length"))
         for r, _ in finished:
             self.leave(r)
+        # The whole step but the draft passes (priced apart) and the caller's callbacks (text
+        # work per committed token, whatever the arm): what a token fed costs every row.
+        step_s = time.perf_counter() - t0 - drafting_s - callbacks_s
+        self.cost.observe(sum(fed), step_s)
+        rest = max(0.0, step_s - sum(owns))
+        for r, share, own in zip(rows, shares, owns, strict=True):
+            r.cost_s += rest * share + own
         return finished
 
-    def _draft(self, rows: list[Row]) -> None:
+    def _draft(self, rows: list[Row]) -> float:
         """The draft model's guesses for `rows`: one batched pass per draft position, each row
         until it has its own k_eff guesses (the first pass also catches each row up on what
-        was committed since its last turn)."""
+        was committed since its last turn). Returns the seconds it took."""
         if not rows:
-            return
+            return 0.0
+        start = time.perf_counter()
         _, dc = self._caches()
         drafter = self.engine.drafter
         head, ids = drafter.step.args
@@ -424,6 +453,7 @@ class RowBatch:
             i += 1
             active = [r for r in active if r.k_eff > i]
             feeds = [[r.drafts[-1]] for r in active]
+        return time.perf_counter() - start
 
     def _full(self, q: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
         """A draft distribution over the target's vocabulary (a pruned head's: zero elsewhere;

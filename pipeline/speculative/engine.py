@@ -45,6 +45,7 @@ class GenerationResult:
     rounds: int = 0
     proposed_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    guess_rounds: int | None = None  # the step loop: rounds it was let guess (None: all)
     first_token_s: float | None = None  # from the start to the first committed token
     cost_s: float | None = None  # the step loop: its prefill plus its shares of the steps
     queued_s: float = 0.0  # the step loop: from submission to joining
