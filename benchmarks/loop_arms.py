@@ -1,12 +1,15 @@
 """The step loop in process (no server): 1 and 8 rows of one arm, the held-out prompts, 48 tokens.
 
-    .venv/bin/python -m benchmarks.loop_arms
+    .venv/bin/python -m benchmarks.loop_arms [--mixed]
 
 Prints per arm and row count: steps, wall seconds, tokens/s, mean step, and the loop's measured
-step-cost curve ((tokens fed, ms) per size bucket) that the goodput policy predicts with. Needs
-a workspace with the split (`make demo`, or `python -m pipeline split`).
+step-cost curve ((tokens fed, ms) per size bucket) that the goodput policy predicts with.
+`--mixed`: instead, 16 rows: all plain, against 10 plain + 6 bandit (adaptive) ngram:4 rows that
+the per-step gate holds back, and the same 6 guessing; twice, alternated. Needs a workspace with
+the split (`make demo`, or `python -m pipeline split`).
 """
 
+import argparse
 import time
 
 import torch
@@ -19,7 +22,30 @@ from pipeline.speculative.batch import RowBatch
 from pipeline.workspace import Workspace, read_jsonl
 
 
+def mixed(pair, prompts) -> None:
+    """16 rows: a held-back bandit row against a plain one, and against one that guesses."""
+
+    def run(arms, gate) -> float:
+        b = RowBatch(pair.engine, max_rows=16)
+        for r in b.join([(i, prompts[i], 48, parse_arm(a)) for i, a in enumerate(arms)]):
+            r.adaptive = True
+        t0 = time.perf_counter()
+        while b.rows:
+            b.step(gate=gate)
+        return 16 * 48 / (time.perf_counter() - t0)
+
+    six = ["0"] * 10 + ["ngram:4"] * 6
+    for _ in range(2):
+        for name, arms, gate in (("16 plain", ["0"] * 16, None),
+                                 ("10 plain + 6 ngram:4 held back", six, lambda r: [False] * len(r)),
+                                 ("10 plain + 6 ngram:4 guessing", six, None)):  # fmt: skip
+            print(f"{name}: {run(arms, gate):.1f} tok/s", flush=True)
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mixed", action="store_true", help="16 rows: plain, held back, guessing")
+    args = ap.parse_args()
     torch.set_num_threads(2)
     print(hardware())
     cfg = load_config("configs/default.yaml", [])
@@ -30,6 +56,9 @@ def main() -> None:
         models.chat_prompt_ids(tok, [{"role": "user", "content": r["prompt"]}], {})
         for r in read_jsonl(ws.test_file)[:16]
     ]
+    if args.mixed:
+        mixed(pair, prompts)
+        return
     for arm in ("0", "ngram:2", "ngram:4", "0"):
         for rows in (1, 8):
             b = RowBatch(pair.engine, max_rows=16)

@@ -2,7 +2,8 @@
 
     .venv/bin/python -m benchmarks.serving_load [--config configs/default.yaml]
         [--artifacts artifacts] [--clients 1 2 4 8 16] [--requests 32] [--tokens 48]
-        [--modes target fixed:4 ngram:4 bandit] [--vllm 0 draft:2 ngram:4] [--set KEY=VALUE]
+        [--modes target fixed:4 ngram:4 bandit] [--rounds 4] [--vllm 0 draft:2 ngram:4]
+        [--set KEY=VALUE]
 
 Needs `make demo` (or split, distill, train, merge) for the held-out prompts and the merged draft;
 `--vllm` needs `make vllm` (the vLLM tier; nothing is started without the flag's arms); `--url`
@@ -17,7 +18,10 @@ requests of 8 tokens, outside every figure; Phoenix's in target mode, so the ban
 from measured requests), then the same held-out prompts in the same order
 (`--requests`, at least 2 per client) go out as streamed chat requests (`--no-stream`: plain
 ones, as the openai client sends by default), c at a time, greedy,
-`--tokens` each, opted out of traffic capture. Per point: aggregate output tokens/s over the wall
+`--tokens` each, opted out of traffic capture. The modes of one concurrency are interleaved:
+the requests in `--rounds` slices (each at least c long), every mode serving a slice before the
+next, the order reversed every other round, so the machine's drift falls on each mode alike.
+Per point (the rounds pooled): aggregate output tokens/s over the wall
 clock, p50/p95 latency and time to first token, acceptance from the server's own counters, and for
 Phoenix the arms that served the requests (the bandit's choices at that concurrency).
 
@@ -52,19 +56,20 @@ def sweep_modes(
     ep, model, prompts, args, extras: dict[str, dict | None], warm: list | None = None
 ) -> dict[str, dict]:
     """Warm every concurrency (with each of `warm`'s request fields, default every mode's),
-    then one point per concurrency and mode, the modes of a concurrency back to back (the
-    machine's speed drifts by up to a fifth in an hour: modes compared at one concurrency are
-    measured minutes apart, not a quarter of an hour); the same prompts, in order."""
+    then one point per concurrency and mode, the modes of a concurrency interleaved in
+    `--rounds` rounds (`loadtest.interleaved`: on these VMs the same plain work measured 0.88x
+    and 1.25x of itself minutes apart, so modes run one after the other compare the machine's
+    moments as much as the modes); the same prompts, in order."""
     for extra in extras.values() if warm is None else warm:
         for c in args.clients:
             loadtest.sweep_point(ep, model, prompts[:c], c, 8, extra, stream=args.stream)
     points: dict[str, dict] = {label: {} for label in extras}
     for c in args.clients:
         batch = [prompts[i % len(prompts)] for i in range(max(args.requests, 2 * c))]
-        for label, extra in extras.items():
-            p = points[label][c] = loadtest.sweep_point(
-                ep, model, batch, c, args.tokens, extra, f"{label} c={c}", stream=args.stream
-            )
+        got = loadtest.interleaved(ep, model, batch, c, args.tokens, extras, args.rounds,
+                                   stream=args.stream)  # fmt: skip
+        for label, p in got.items():
+            points[label][c] = p
             print(f"{label} c={c}: {p['tokens_per_second']:.2f} tok/s, p95 "
                   f"{p['p95_latency_s']:.2f} s, arms {p['arms']}", flush=True)  # fmt: skip
     return points
@@ -223,6 +228,9 @@ def main() -> None:
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=4,
+                    help="interleave the modes of a concurrency in this many rounds (A B, B A, ...; "
+                         "at most requests / clients)")  # fmt: skip
     ap.add_argument("--modes", nargs="+", default=["target", "fixed:4", "ngram:4", "bandit"])
     ap.add_argument("--vllm", nargs="*", default=[], help="vLLM arms: 0, draft:K, ngram:K")
     ap.add_argument("--set", action="append", default=[], help="config override for the server")

@@ -128,8 +128,9 @@ class BanditConfig(Section):
     speculate_margin: float = Field(
         0.05,
         ge=0,
-        description="goodput: beside other rows, a speculative arm is chosen (or explored) only "
-        "if predicted to beat plain by this fraction; alone, every arm competes.",
+        description="goodput: beside other rows, a speculative arm is chosen (or explored), and "
+        "a bandit row guesses in a step, only if predicted to beat plain by this fraction; "
+        "alone, every arm competes and guesses.",
     )
     save_every_s: float = Field(
         5.0, ge=0, description="Write the bandit's state file at most this often (and at exit)."

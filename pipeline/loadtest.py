@@ -184,6 +184,35 @@ def sweep_point(
     """Every prompt once, `clients` at a time (in order: client i takes the next prompt when
     it is free): aggregate output tokens/s over the wall clock, latency and TTFT percentiles,
     and the acceptance the server's counters moved by."""
+    return summarise([run_round(ep, model, prompts, clients, max_tokens, extra, progress, stream)])
+
+
+def interleaved(
+    ep: Endpoint, model: str, prompts: list[str], clients: int, max_tokens: int,
+    extras: dict[str, dict | None], rounds: int = 2, stream: bool = True,
+) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """`sweep_point` for several modes of one server, interleaved so that the machine's drift
+    falls on every mode alike: the prompts in `rounds` consecutive slices (each at least
+    `clients` long, so every round loads every client), each slice served by every mode in
+    turn, the order reversed every other round (A B, B A, ...); per mode, the rounds pooled."""
+    rounds = max(1, min(rounds, len(prompts) // max(1, clients)))
+    size = -(-len(prompts) // rounds)
+    slices = [prompts[i : i + size] for i in range(0, len(prompts), size)]
+    labels = list(extras)
+    done: dict[str, list[dict]] = {label: [] for label in labels}
+    for i, part in enumerate(slices):
+        for label in labels if i % 2 == 0 else labels[::-1]:
+            done[label].append(run_round(ep, model, part, clients, max_tokens, extras[label],
+                                         f"{label} c={clients} {i + 1}/{len(slices)}", stream))  # fmt: skip
+    return {label: summarise(done[label]) | {"rounds": len(slices)} for label in labels}
+
+
+def run_round(
+    ep: Endpoint, model: str, prompts: list[str], clients: int, max_tokens: int,
+    extra: dict | None = None, progress: str | None = None, stream: bool = True,
+) -> dict[str, Any]:  # fmt: skip
+    """The prompts, `clients` at a time: each request's result, the wall clock, and the
+    server's counters before and after."""
     before = ep.spec_counters()
     todo = iter(prompts)
     lock = threading.Lock()
@@ -207,6 +236,33 @@ def sweep_point(
             f.result()
     wall = time.perf_counter() - t0
     bar.close()
+    return {"clients": clients, "results": results, "wall_s": wall, "before": before,
+            "after": ep.spec_counters()}  # fmt: skip
+
+
+def _moved(before: dict | None, after: dict | None) -> dict | None:
+    """The counters' change between two readings (None: the server exposes none)."""
+    if after is None:
+        return None
+    before = before or {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": {}}
+    out = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
+    out["per_pos"] = {p: v - before["per_pos"].get(p, 0.0) for p, v in after["per_pos"].items()}
+    return out
+
+
+def summarise(rounds: list[dict]) -> dict[str, Any]:
+    """One point from `run_round`s: their requests pooled, their wall clocks added."""
+    results = [r for rnd in rounds for r in rnd["results"]]
+    wall = sum(rnd["wall_s"] for rnd in rounds)
+    moved = [_moved(rnd["before"], rnd["after"]) for rnd in rounds]
+    total = None
+    if all(m is not None for m in moved):
+        total = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": {}}
+        for m in moved:
+            for k in ("drafts", "draft_tokens", "accepted"):
+                total[k] += m[k]
+            for pos, v in m["per_pos"].items():
+                total["per_pos"][pos] = total["per_pos"].get(pos, 0.0) + v
     ok = [r for r in results if r["status"] == 200]
     arms = Counter(r["arm"] for r in ok if r.get("arm") is not None)
     # Why the bandit's speculative requests speculated (exploited, explored, warm-up, probe).
@@ -214,8 +270,8 @@ def sweep_point(
     lat = [r["latency_s"] for r in ok]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     return {
-        "clients": clients,
-        "requests": len(prompts),
+        "clients": rounds[0]["clients"],
+        "requests": len(results),
         "succeeded": len(ok),
         "rate_limited_429": sum(r["status"] == 429 for r in results),
         "errors": sum(r["status"] not in (200, 429) for r in results),
@@ -229,7 +285,7 @@ def sweep_point(
         "p95_ttft_s": report.percentile(ttft, 95) if ttft else None,
         "arms": dict(sorted(arms.items())),  # Phoenix: which arm served the requests
         "speculated_because": dict(sorted(why.items())),
-        **acceptance_between(before, ep.spec_counters()),
+        **acceptance_between(None, total),
     }
 
 

@@ -261,6 +261,7 @@ def test_serving_load_sweeps_every_mode_and_names_the_bandits_arms(
         "draft:2": 6
     }
     assert sum(modes["bandit"]["3"]["arms"].values()) == 6  # what the bandit chose there
+    assert modes["target"]["3"]["rounds"] == 2  # interleaved: 6 requests, 3 clients a round
     assert modes["fixed:2"]["1"]["acceptance"] is not None  # from the server's own counters
     assert (art / "perf" / "serving_load.png").stat().st_size > 0
     md = (art / "perf" / "serving_load.md").read_text()

@@ -94,6 +94,32 @@ def test_spec_counters_read_vllm_and_phoenix_names_alike():
     assert loadtest.spec_counters("# nothing\n") is None
 
 
+def test_rounds_of_a_point_pool_their_requests_clocks_and_counters():
+    """An interleaved point (`loadtest.interleaved`) pools its rounds: tokens over the summed
+    wall clocks, latencies together, the counters' moves added (not the last reading's)."""
+
+    def req(tokens, latency, arm="ngram:2"):
+        return {"status": 200, "tokens": tokens, "latency_s": latency, "ttft_s": 0.1,
+                "arm": arm, "why": "exploited"}  # fmt: skip
+
+    def counters(drafts, tokens, accepted, first):
+        return {"drafts": drafts, "draft_tokens": tokens, "accepted": accepted,
+                "per_pos": {0: first}}  # fmt: skip
+
+    one = {"clients": 2, "results": [req(10, 1.0), req(10, 2.0)], "wall_s": 2.0,
+           "before": counters(0, 0, 0, 0), "after": counters(4, 8, 4, 3)}  # fmt: skip
+    two = {"clients": 2, "results": [req(20, 3.0, "0"), req(20, 4.0)], "wall_s": 4.0,
+           "before": counters(100, 200, 50, 40), "after": counters(104, 216, 54, 42)}  # fmt: skip
+    p = loadtest.summarise([one, two])
+    assert p["requests"] == p["succeeded"] == 4 and p["output_tokens"] == 60
+    assert p["tokens_per_second"] == 60 / 6.0
+    assert p["acceptance"] == 8 / 24 and p["per_position"] == [5 / 8]
+    assert p["arms"] == {"0": 1, "ngram:2": 3} and p["speculated_because"] == {"exploited": 3}
+    assert p["p95_latency_s"] > p["p50_latency_s"]
+    one["after"] = None  # a server without counters
+    assert loadtest.summarise([one, two])["acceptance"] is None
+
+
 def test_without_vllm_tune_and_serve_exit_2_saying_make_vllm(cli, tmp_path):
     for stage in (("tune-vllm",), ("serve", "--engine", "vllm")):
         r = cli(*stage, "--config", "configs/ci.yaml", "--artifacts", tmp_path,
