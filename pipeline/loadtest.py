@@ -202,8 +202,10 @@ def interleaved(
     done: dict[str, list[dict]] = {label: [] for label in labels}
     for i, part in enumerate(slices):
         for label in labels if i % 2 == 0 else labels[::-1]:
-            done[label].append(run_round(ep, model, part, clients, max_tokens, extras[label],
-                                         f"{label} c={clients} {i + 1}/{len(slices)}", stream))  # fmt: skip
+            desc = f"{label} c={clients} {i + 1}/{len(slices)}"
+            done[label].append(
+                run_round(ep, model, part, clients, max_tokens, extras[label], desc, stream)
+            )
     return {label: summarise(done[label]) | {"rounds": len(slices)} for label in labels}
 
 

@@ -299,23 +299,46 @@ def serve_command(config, artifacts, port: int, mode: str, extra: list[str] = ()
     ]
 
 
+def local_context(cfg: Config, ws: Workspace, prompts: list[str]) -> int:
+    """The context (prompt + answer, tokens) the local teacher needs for `prompts`: the longest
+    of them as the server will see it (chat template, `template_kwargs`) plus
+    `teacher.max_tokens`, or `engine.max_context` where that is longer. (`engine.max_context`
+    sizes the bench's compiled caches; with it alone, the 500-prompt run stopped at a prompt of
+    273 tokens: 273 + 256 > 512.)"""
+    from . import models  # torch and transformers: only when the local teacher runs
+
+    tok = models.load_tokenizer(models.resolve(cfg.models.target, ws.models_cache))
+    kwargs = cfg.template_kwargs()
+    longest = max((len(models.user_prompt_ids(tok, p, kwargs)) for p in prompts), default=0)
+    return max(cfg.engine.max_context, longest + cfg.teacher.max_tokens)
+
+
+def local_teacher_config(cfg: Config, context: int | None = None) -> Config:
+    """The local teacher's config: eager (its answers run in padded batches; compiling would
+    only cost start-up), the full head, no traffic capture (distillation's own requests are not
+    served traffic), and a context of `context` tokens (default the engine's)."""
+    eager = cfg.engine.model_copy(
+        update={"compile": "false", "draft_vocab": 0,
+                "max_context": context or cfg.engine.max_context}
+    )  # fmt: skip
+    quiet = cfg.traffic.model_copy(update={"capture": False})
+    return cfg.model_copy(update={"engine": eager, "traffic": quiet})
+
+
 @contextlib.contextmanager
-def local_teacher(cfg: Config, ws: Workspace) -> Iterator[str]:
-    """Start `python -m pipeline serve --mode target` on a free loopback port; yield its URL."""
+def local_teacher(cfg: Config, ws: Workspace, context: int | None = None) -> Iterator[str]:
+    """Start `python -m pipeline serve --mode target` on a free loopback port (its config:
+    `local_teacher_config`); yield its URL."""
     ws.teacher.mkdir(parents=True, exist_ok=True)
     cfg_file = ws.teacher / ".local-teacher.yaml"
-    # Its answers run in padded batches, which stay eager: compiling would only cost start-up.
-    eager = cfg.engine.model_copy(update={"compile": "false", "draft_vocab": 0})
-    # Distillation's own requests are not served traffic: never captured.
-    quiet = cfg.traffic.model_copy(update={"capture": False})
-    atomic_write_text(
-        cfg_file, dump_config(cfg.model_copy(update={"engine": eager, "traffic": quiet}))
-    )
+    local = local_teacher_config(cfg, context)
+    atomic_write_text(cfg_file, dump_config(local))
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != cfg.server.api_key_env}
     log_path = ws.teacher / "local-teacher.log"
     cmd = serve_command(cfg_file, ws.root, port, "target", ["--cache", str(ws.cache)])
-    log.info("starting the local teacher (target only) on 127.0.0.1:%d; log: %s", port, log_path)
+    log.info("starting the local teacher (target only, context %d tokens) on 127.0.0.1:%d; "
+             "log: %s", local.engine.max_context, port, log_path)  # fmt: skip
     with open(log_path, "ab") as logf:
         proc = subprocess.Popen(
             cmd,
@@ -419,7 +442,8 @@ def run(cfg: Config, ws: Workspace) -> dict[str, Any]:
     concurrency = max(cfg.teacher.concurrency, cfg.server.max_batch if local else 1)
     if todo:
         if local:
-            with local_teacher(cfg, ws) as url:
+            context = local_context(cfg, ws, [p["prompt"] for p, _ in todo])
+            with local_teacher(cfg, ws, context) as url:
                 _answer_all(cfg, ws, url, model, todo, stats, concurrency)
         else:
             _answer_all(cfg, ws, cfg.teacher.url, model, todo, stats, concurrency)

@@ -225,6 +225,32 @@ def test_distill_with_local_teacher_ci_config(distilled_ws, tmp_path, cli):
     )
 
 
+def test_the_local_teacher_gets_the_context_its_longest_prompt_needs(distilled_ws):
+    """The local teacher's context is the longest prompt (as its server templates it) plus
+    teacher.max_tokens where that exceeds engine.max_context (the 500-prompt run on the
+    embedded default stopped at a 400: 273 + 256 > 512); its config stays eager, full-headed
+    and uncaptured."""
+    from pipeline import models
+    from pipeline.config import load_config
+    from pipeline.teacher import local_context, local_teacher_config
+    from pipeline.workspace import Workspace, read_jsonl
+
+    ws = Workspace(distilled_ws)
+    prompts = [r["prompt"] for r in read_jsonl(ws.train_file)[:20]]
+    cfg = load_config("configs/ci.yaml", ["engine.max_context=64", "engine.compile=auto"])
+    tok = models.load_tokenizer(models.resolve(cfg.models.target, ws.models_cache))
+    longest = max(len(models.user_prompt_ids(tok, p, cfg.template_kwargs())) for p in prompts)
+    assert longest + cfg.teacher.max_tokens > 64  # the case that failed
+    need = local_context(cfg, ws, prompts)
+    assert need == longest + cfg.teacher.max_tokens
+    roomy = load_config("configs/ci.yaml", ["engine.max_context=4096"])
+    assert local_context(roomy, ws, prompts) == 4096  # never below the engine's
+    local = local_teacher_config(cfg, need)
+    assert local.engine.max_context == need and local.engine.compile == "false"
+    assert local.engine.draft_vocab == 0 and local.traffic.capture is False
+    assert local_teacher_config(cfg).engine.max_context == 64
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
 def test_interrupted_distill_leaves_no_local_server(tmp_path, mbpp_path, sig):

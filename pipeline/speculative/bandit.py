@@ -417,8 +417,8 @@ class GoodputBandit(EpsilonGreedy):
     per strategy, position and temperature bucket from
     every request (it does not depend on the load, nor on k for a greedy proposer; it falls as
     the temperature rises: a bucket not measured yet borrows the greedy figures), so what one
-    client taught holds at sixteen, with no exploration per load. The counts decay (`decay` per round) so a
-    drifting draft is followed. Warm-up and exploration are the plausible policy's: every arm in
+    client taught holds at sixteen, with no exploration per load. The counts decay (`decay` per
+    round) so a drifting draft is followed. Warm-up and exploration are the plausible policy's: every arm in
     turn, then with probability epsilon an arm whose prediction is within `explore_margin` of
     the best (an arm predicted clearly slower at this load is never explored there). Without
     the loop's figures in the context it falls back to the measured means (plausible policy)."""

@@ -23,10 +23,10 @@ alternatives, from the same pass (`sampling.top_logprobs`).
 
 Cost: a step is timed whole (proposals, target pass, acceptance and rollback), less its draft
 passes, timed apart, and the caller's per-token callbacks (text work every arm pays per token
-committed): `StepCost` against tokens fed. Timing the target pass alone missed the per-token
-work around it, a fifth of a 16-row step. The step's time is split among its rows (time = a +
-b * tokens fed, fitted online; a row's share = a / rows + b * its tokens, scaled so the shares
-sum to the step). A draft pass is split equally among the rows it drafted for. A row's `cost_s` is its prefill plus
+committed): `StepCost` against tokens fed (the target pass alone misses the per-token work
+around it). The step's time is split among its rows (time = a + b * tokens fed, fitted online;
+a row's share = a / rows + b * its tokens, scaled so the shares sum to the step). A draft pass
+is split equally among the rows it drafted for. A row's `cost_s` is its prefill plus
 its shares: `tokens / cost_s` is what its arm cost the batch (the policy's reward, goodput).
 With one row the share is the whole step: tokens/s as a lone request sees them. What the
 policy predicts with is `StepCost.curve()`: the measured time per step size.
@@ -316,9 +316,9 @@ class RowBatch:
         """One step over every row. `on_tokens(row)` runs for each row that committed tokens;
         True ends it (a stop string, a caller gone). `gate(rows)`, if given, says per row
         whether it may guess this step; it binds the `adaptive` rows only (a bandit's choice,
-        where a fixed arm is the caller's): a row held back runs this step as a plain row. Returns `(row, finish_reason)` for the rows
-        that finished ("stop": end-of-turn or `on_tokens`; "length": budget or context), which
-        have left the batch. After an exception the caller fails every row (`reset`)."""
+        where a fixed arm is the caller's): a row held back runs this step as a plain row.
+        Returns `(row, finish_reason)` for the rows that finished ("stop": end-of-turn or
+        `on_tokens`; "length": budget or context), which have left the batch. After an exception the caller fails every row (`reset`)."""
         t0 = time.perf_counter()
         rows = list(self.rows)
         for r in rows:
