@@ -30,7 +30,7 @@ from .config import Config
 from .errors import InputError, VerificationError
 from .serving.core import ServingCore, make_core
 from .serving.request import Request, fixed, parse_mode
-from .speculative.arms import parse_arm
+from .speculative.arms import parse_arm, usable
 from .speculative.batch import sample_outputs
 from .speculative.sampling import GREEDY, Sampling, chi_square
 from .workspace import Workspace, atomic_write_json, atomic_write_text, read_jsonl
@@ -201,8 +201,9 @@ class DistributionCheck:
 
 
 def free_arms(cfg: Config) -> list[str]:
-    """The measured arms that need no draft model (ngram:K): run on the target alone."""
-    return [a for a in cfg.bench.fixed_arms if not parse_arm(a).needs_draft]
+    """The measured arms that need neither a draft model nor a head (ngram:K): run on the
+    target alone."""
+    return [a for a in cfg.bench.fixed_arms if usable(a, False, False)]
 
 
 def measure_all(
@@ -212,7 +213,9 @@ def measure_all(
     """One record per (draft, mode, prompt): target-only first, then each draft's modes.
     `engines[draft]` gets how each draft's engine ran (compiled, its head subset); `check`
     (the sampled protocol) compares each measured arm's samples while its models are loaded."""
+    # base, distilled, or a directory (a merged draft or an exported EAGLE-3 head)
     draft_specs = {"base": cfg.models.draft, "distilled": str(ws.merged)}
+    draft_specs.update({d: d for d in drafts if d not in draft_specs})
     records: list[dict] = []
 
     def core_of(pair: models.Pair, draft: str | None, state=None, policy=None) -> ServingCore:
@@ -237,13 +240,14 @@ def measure_all(
         }
         state = ws.bench / f"bandit-{draft}.json" if cfg.bench.bandit_state == "persist" else None
         core = core_of(pair, draft, state=state)
-        for arm in cfg.bench.fixed_arms:
-            if parse_arm(arm).needs_draft:
-                measure(core, draft, fixed(arm).spec)
+        # This draft's own arms: draft:K on a draft model, eagle:K on an EAGLE-3 head.
+        own = [a for a in cfg.bench.fixed_arms if not usable(a, False, False)
+               and usable(a, core.has_draft, core.has_head)]  # fmt: skip
+        for arm in own:
+            measure(core, draft, fixed(arm).spec)
         measure(core, draft, "bandit")
         if check is not None:
-            check.compare(draft, pair.engine, [a for a in cfg.bench.fixed_arms
-                                                if parse_arm(a).needs_draft])  # fmt: skip
+            check.compare(draft, pair.engine, own)
         if cfg.bench.seed_bandit:
             seed = core_of(pair, draft, policy="seed")
             measure(seed, draft, "bandit", "bandit_seed")
@@ -262,7 +266,7 @@ def measure_mode(cfg, telemetry, core, draft, mode_text, ids, rows, label=None) 
         if mode_text == "bandit"
         else list(dict.fromkeys(["0", *cfg.bandit.arms, *cfg.bench.fixed_arms]))
     )
-    mode = parse_mode(mode_text, arms, core.has_draft)
+    mode = parse_mode(mode_text, arms, core.has_draft, core.has_head)
     # Warm-up: every arm this run can use (the bandit's through fixed modes, so its state is
     # untouched), so no cold start lands in a measured request. Excluded from every figure.
     warm_modes = [fixed(a) for a in core.bandit.arms] if mode.kind == "bandit" else [mode]

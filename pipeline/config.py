@@ -37,7 +37,16 @@ class ModelsConfig(Section):
     draft: str = Field(
         "cut:4",
         description="Same spec forms as target, or `cut:N` (the target's first N decoder "
-        "layers) or `cut:0,2,4` (those layers).",
+        "layers) or `cut:0,2,4` (those layers), or `eagle3`: an EAGLE-3 head (one decoder layer "
+        "over the target's hidden states from three depths, train.eagle3_layers) trained on the "
+        "target's hidden states over the teacher's answers; needs the target's weights where "
+        "train runs, exported in the speculators format vLLM serves.",
+    )
+    head: str | None = Field(
+        None,
+        description="An exported EAGLE-3 head (a merged directory of models.draft=eagle3) served "
+        "beside the draft: the eagle:K arms. A server.draft or bench draft that is such a head "
+        "is loaded as one too.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: bfloat16 on a GPU, float32 on the CPU."
@@ -256,8 +265,11 @@ class BenchConfig(Section):
         default_factory=lambda: ["draft:4", "ngram:4"],
         description="Arms measured alone, as rows fixed_K (draft:K, also written K) and ngram_K.",
     )
-    drafts: list[Literal["base", "distilled"]] = Field(
-        default_factory=lambda: ["base", "distilled"]
+    drafts: list[str] = Field(
+        default_factory=lambda: ["base", "distilled"],
+        description="base (models.draft), distilled (<artifacts>/merged), or a directory: a "
+        "merged draft, or an exported EAGLE-3 head (its rows: the eagle:K arms of fixed_arms "
+        "and bandit.arms).",
     )
     bandit_state: Literal["fresh", "persist"] = Field(
         "fresh",
@@ -337,6 +349,18 @@ class TrainConfig(Section):
         description="kd/on_policy: learn only the target's N most likely tokens per position "
         "(the rest as one bucket), as an OpenAI-compatible teacher returns them; null: the "
         "full distribution (needs the target's weights).",
+    )
+    ttt_steps: int = Field(
+        4,
+        ge=1,
+        le=8,
+        description="models.draft=eagle3: training-time-test steps (the head fed its own "
+        "outputs, so guesses 2..N are trained, not only the first; EAGLE-3).",
+    )
+    eagle3_layers: list[int] | None = Field(
+        None,
+        description="models.draft=eagle3: the three target layers whose inputs the head fuses "
+        "(low, middle, high); null: 2, L/2, L-3, as vLLM chooses.",
     )
     on_policy_ratio: float = Field(
         0.5, ge=0, le=1, description="on_policy: share of batches the draft writes itself."
@@ -546,6 +570,22 @@ class Config(Section):
     def requested_logprobs(self) -> int | None:
         """top_logprobs the distill stage asks the teacher for (None: none)."""
         return self.train.top_logprobs if self.kd_source() == "teacher" else None
+
+    @model_validator(mode="after")
+    def _eagle3_trainable(self) -> Config:
+        if self.models.draft.strip() != "eagle3":
+            return self
+        if self.train.method == "lora":
+            raise ValueError(
+                "train.method=lora does not apply to models.draft=eagle3: the head (one layer, "
+                "fc and its output head) is new and trained whole; set train.method=full"
+            )
+        if self.train.objective != "sft":
+            raise ValueError(
+                f"train.objective={self.train.objective} is not built for models.draft=eagle3: "
+                "the head learns the target's own greedy tokens (train.objective=sft)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _kd_reachable(self) -> Config:

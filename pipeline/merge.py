@@ -61,6 +61,8 @@ def run(cfg: Config, ws: Workspace, push: bool = True) -> dict[str, Any]:
             f"no finished training in {ws.adapter}: run the train stage first (make train)"
         )
     metrics = json.loads(metrics_file.read_text())
+    if metrics["method"] == "eagle3":
+        return _merge_eagle3(cfg, ws, metrics, push)
     tok = models.load_tokenizer(str(trained))
     prompts = verification_inputs(cfg, ws, tok)
     device = models.pick_device(cfg.models.device)
@@ -137,6 +139,68 @@ def run(cfg: Config, ws: Workspace, push: bool = True) -> dict[str, Any]:
     return info
 
 
+def _merge_eagle3(cfg: Config, ws: Workspace, metrics: dict, push: bool) -> dict[str, Any]:
+    """An EAGLE-3 head: nothing to fold; verified on reload, carded with the vLLM command
+    line that serves it, published like any draft."""
+    from . import eagle3
+
+    trained = ws.adapter / "model"
+    prompts = verification_inputs(cfg, ws, models.load_tokenizer(str(trained)))
+    tmp, checked = _check_eagle3(cfg, ws, prompts)
+    try:
+        info = {
+            "method": "eagle3",
+            "base_draft": "eagle3",
+            "base_draft_dir": None,
+            "teacher": cfg.teacher.model or cfg.models.served_name or cfg.models.target,
+            **checked,
+            "weights_sha256": sha256_file(tmp / "model.safetensors"),
+            "vllm_command": eagle3.vllm_command(cfg.models.target, "<this directory>"),
+        }
+        (tmp / "README.md").write_text(model_card(cfg, ws, metrics, info))
+        (tmp / "phoenix.json").write_text(json.dumps(info, indent=2) + "\n")
+        (tmp / "phoenix-config.yaml").write_text(dump_config(cfg))
+        _replace_dir(tmp, ws.merged)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("merge: eagle3 head verified (max logit diff %.2e) and saved %s",
+             info["verify_max_logit_diff"], ws.merged)  # fmt: skip
+    info["merged_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    info["published"] = (
+        publish.publish(cfg.publish, ws.root, ws.merged) if push else {"target": "none"}
+    )
+    atomic_write_json(ws.merged / PUSH_RECORD, info)
+    return info
+
+
+def _check_eagle3(cfg: Config, ws: Workspace, prompts: list[list[int]]) -> tuple[Path, dict]:
+    """Verify the trained head (reloaded from disk, the way vLLM reads it: the same logits as
+    the head in memory) into a temporary merged directory; returns it and the verify figures."""
+    from . import eagle3
+
+    trained = ws.adapter / "model"
+    _, tok, target = models.load_target_for_head(cfg, ws)
+    verifier = cfg.teacher.model or cfg.models.target
+    expected = eagle3.head_logits(eagle3.load_head(trained, target, verifier), target, prompts)
+    tmp = make_temp_dir(ws.root, ".merged.")
+    try:
+        for name in (eagle3.CONFIG_NAME, eagle3.WEIGHTS_NAME, models.TOKEN_COUNTS):
+            shutil.copy(trained / name, tmp / name)
+        tok.save_pretrained(tmp)
+        got = eagle3.head_logits(eagle3.load_head(tmp, target, verifier), target, prompts)
+        diff = max(float((a - b).abs().max()) for a, b in zip(expected, got, strict=True))
+        if diff > cfg.merge.atol or not all(bool(g.isfinite().all()) for g in got):
+            raise VerificationError(
+                f"the exported eagle3 head differs after reload: max logit diff {diff:.2e} > "
+                f"{cfg.merge.atol:.0e}; nothing published"
+            )
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tmp, {"verify_max_logit_diff": diff, "verify_prompts": len(prompts)}
+
+
 def _replace_dir(new: Path, final: Path) -> None:
     """Swap a finished directory into place; the old one goes only once the new one is there."""
     old = final.with_name(f".{final.name}.old")
@@ -187,10 +251,28 @@ def model_card(cfg: Config, ws: Workspace, metrics: dict, info: dict) -> str:
         f"| training | lr {t.learning_rate}, epochs {t.epochs}, batch {t.batch_size} x accum {t.grad_accum}, "
         f"max_length {t.max_length}, seed {t.seed}, {metrics['global_steps']} steps |",
         f"| loss | {_num(metrics['first_loss'])} -> {_num(metrics['last_loss'])} |",
-        f"| merge check | max logit diff vs base+adapter {info['verify_max_logit_diff']:.2e} on "
+        f"| merge check | max logit diff vs {'the trained head' if metrics['method'] == 'eagle3' else 'base+adapter'} {info['verify_max_logit_diff']:.2e} on "
         f"{info['verify_prompts']} held-out prompts |",
     ]
     target = models.hub_id_of(cfg.models.target) or cfg.models.target
+    if metrics["method"] == "eagle3":
+        spec = json.dumps(
+            {"method": "eagle3", "model": "<this directory>", "num_speculative_tokens": 4}
+        )
+        return "\n".join(lines + [
+            "",
+            f"An EAGLE-3 head (speculators format: one decoder layer over the target's hidden "
+            f"states from layers {metrics['aux_layers']}, a {metrics['draft_vocab']}-token "
+            f"head), trained with {metrics['ttt_steps']} training-time-test steps. It serves "
+            "only beside its target. In vLLM (the speculators layout vLLM reads; not yet run "
+            "against vLLM by Phoenix's suite):",
+            "",
+            "```bash",
+            f"python -m vllm.entrypoints.openai.api_server --model {target} \\",
+            f"  --speculative-config '{spec}'",
+            "```",
+            "",
+        ])  # fmt: skip
     spec = json.dumps(
         {"method": "draft_model", "model": "<this directory>", "num_speculative_tokens": 2}
     )

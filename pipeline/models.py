@@ -534,6 +534,7 @@ def load_pair(
 
     m = cfg.models
     device = pick_device(m.device)
+    head = None
     if share_target is not None:
         target_ref, tok, target = (
             share_target.target_ref,
@@ -549,10 +550,21 @@ def load_pair(
     if draft == SELF:
         draft_ref, draft_model = SELF, target
     elif draft:
+        if draft.strip() == "eagle3":
+            raise ConfigError(
+                "models.draft=eagle3 names a head to train, not a draft to load (there is no "
+                "base head): after train and merge, bench the merged head (bench --draft "
+                "distilled) or serve it (server.draft, or vLLM: its model card has the command)"
+            )
         draft_ref = resolve(draft, ws.models_cache, target_ref=target_ref)
-        draft_model = load_model(draft_ref, dtype, device)
+        if _is_eagle3(draft_ref):  # an EAGLE-3 head: the eagle:K arms, no draft model
+            head, draft_model = load_head(cfg, draft_ref, target), None
+        else:
+            draft_model = load_model(draft_ref, dtype, device)
     else:
         draft_ref, draft_model = None, None
+    if head is None and m.head and draft and draft != SELF:  # a head beside the draft model
+        head = load_head(cfg, resolve(m.head, ws.models_cache), target)
     eos = eos_ids(tok, target)
     subset = None
     if draft_model is not None and draft_ref != SELF and not full_head:
@@ -572,8 +584,52 @@ def load_pair(
         static_len=cfg.engine.max_context if cfg.engine.compile != "false" else None,
         draft_token_ids=subset,
         share_target=share_target.engine if share_target is not None else None,
+        head=head,
     )
     return Pair(tok, engine, target_ref, draft_ref)
+
+
+def load_target_for_head(cfg, ws):
+    """The target's directory, tokenizer and weights (float32, frozen) for an EAGLE-3 head's
+    training or check; a ConfigError naming models.draft when its weights cannot be loaded."""
+    try:
+        ref = resolve(cfg.models.target, ws.models_cache)
+        target = load_model(ref, "float32", pick_device(cfg.models.device))
+    except Exception as exc:
+        raise ConfigError(
+            f"models.draft=eagle3 reads the target's hidden states, but the target's weights "
+            f"({cfg.models.target}) cannot be loaded here ({type(exc).__name__}: {exc}): run "
+            "train where they are (a local directory, or a Hub id this machine can download), "
+            "or set models.draft to a model or cut:N"
+        ) from exc
+    target.requires_grad_(False)
+    return ref, load_tokenizer(ref), target
+
+
+def load_head(cfg, ref: str, target):
+    """An exported EAGLE-3 head over the loaded target; a ConfigError naming both verifiers
+    when it was trained for another target."""
+    from . import eagle3
+
+    if not _is_eagle3(ref):
+        raise ConfigError(f"models.head={ref} is not an EAGLE-3 head (speculators eagle3 layout)")
+    try:
+        head = eagle3.load_head(ref, target, cfg.teacher.model or cfg.models.target)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    log.info("eagle3 head %s: layers %s, %d-token vocabulary", ref,
+             list(head.config.aux_layer_ids), head.config.draft_vocab_size)  # fmt: skip
+    return head
+
+
+def _is_eagle3(ref: str) -> bool:
+    import json
+
+    p = Path(ref) / "config.json"
+    try:
+        return p.is_file() and json.loads(p.read_text()).get("speculators_model_type") == "eagle3"
+    except ValueError:
+        return False
 
 
 GQA_ENV = "TRANSFORMERS_SDPA_FORCE_GQA"

@@ -68,12 +68,23 @@ def build_rows(records: list[dict]) -> list[dict]:
 
 
 def position_acceptance(records: list[dict]) -> dict[str, list[float]]:
-    """Per draft: share of proposals accepted at each draft position (1-based in the report)."""
+    """Per proposer: share of proposals accepted at each draft position (1-based in the
+    report). A draft model's guesses under its draft's name, an EAGLE-3 head's as
+    "<draft>: eagle3 head", prompt lookup's (any draft's) as "ngram (no draft)"."""
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        if not r["proposed"]:
+            continue
+        strategy = str(r.get("arm") or "").partition(":")[0]
+        if strategy == "ngram" or r["draft"] == "none":
+            label = "ngram (no draft)"
+        elif strategy == "eagle":
+            label = f"{r['draft']}: eagle3 head"
+        else:
+            label = r["draft"]
+        groups.setdefault(label, []).append(r)
     out = {}
-    for draft in dict.fromkeys(r["draft"] for r in records if r["proposed"]):
-        recs = [r for r in records if r["draft"] == draft]
-        if draft == "none":  # proposals without a draft model: prompt lookup
-            draft = "ngram (no draft)"
+    for label, recs in groups.items():
         width = max(len(r["proposed_per_position"]) for r in recs)
         prop, acc = [0] * width, [0] * width
         for r in recs:
@@ -82,7 +93,7 @@ def position_acceptance(records: list[dict]) -> dict[str, list[float]]:
             ):
                 prop[i] += p
                 acc[i] += a
-        out[draft] = [a / p if p else 0.0 for a, p in zip(acc, prop, strict=True)]
+        out[label] = [a / p if p else 0.0 for a, p in zip(acc, prop, strict=True)]
     return out
 
 

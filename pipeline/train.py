@@ -161,6 +161,8 @@ def run(cfg: Config, ws: Workspace, force: bool = False) -> dict[str, Any]:
             shutil.rmtree(ws.adapter)
     if _process_state().is_main_process:
         atomic_write_json(inputs_file, inputs)
+    if cfg.models.draft.strip() == "eagle3":  # a head over the target's states, not TRL
+        return _train_eagle3(cfg, ws, answers, inputs)
     return _train(cfg, ws, answers, inputs)
 
 
@@ -380,4 +382,98 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
         metrics["last_loss"],
         metrics["global_steps"],
     )
+    return metrics
+
+
+def _train_eagle3(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dict[str, Any]:
+    """`python -m pipeline train` with models.draft=eagle3: states, head, export to
+    <ws>/adapter/model (the speculators layout), metrics.json last."""
+    import math
+
+    import torch
+    from tqdm import tqdm
+
+    from . import eagle3
+    from .artifacts import weights_id
+
+    t = cfg.train
+    ref, tok, target = models.load_target_for_head(cfg, ws)
+    rows, _ = build_examples(answers, tok, cfg.template_kwargs(), t.max_length)
+    if not rows:
+        raise InputError("no usable training examples: every prompt exceeds train.max_length")
+    tmp = make_temp_dir(ws.adapter, ".model.")
+    try:
+        counted = models.write_token_counts(tmp / models.TOKEN_COUNTS, rows)
+        vocab_n = cfg.engine.draft_vocab or target.config.vocab_size
+        eos = models.eos_ids(tok, target)
+        vocab = models.top_tokens(counted["counts"], vocab_n, target.config.vocab_size, eos)
+        torch.manual_seed(t.seed)
+        head = eagle3.new_head(target, vocab, tuple(t.eagle3_layers) if t.eagle3_layers else None)
+        aux = head.config.aux_layer_ids
+        key = eagle3.states_key(weights_id(ref) or ref, rows, aux)
+        folder = ws.cache / "eagle3" / f"states-{key}"
+        t0 = time.perf_counter()
+        with tqdm(total=len(rows), desc="target hidden states", unit="answer") as bar:
+            shards = eagle3.cache_states(
+                target, rows, aux, pad_id(tok), folder,
+                progress=lambda i, _n: bar.update(i - bar.n),
+            )  # fmt: skip
+        states_s = time.perf_counter() - t0
+        data = eagle3.load_shards(shards)
+        log.info("train: eagle3 head over layers %s, %d rows, states in %s (%.0f s)",
+                 list(aux), len(data), folder, states_s)  # fmt: skip
+        per_epoch = math.ceil(len(data) / t.batch_size)
+        total = t.max_steps if t.max_steps > 0 else max(1, round(per_epoch * t.epochs))
+        history: list[dict] = []
+        with tqdm(total=total, desc="train eagle3", unit="step") as bar:
+
+            def on_step(step, _n, loss, accs):
+                history.append({"step": step, "loss": loss, "accuracy": accs})
+                bar.set_postfix(loss=f"{loss:.3f}", acc1=f"{accs[0]:.2f}")
+                bar.update(1)
+
+            fit = eagle3.train_head(
+                head, data, total / per_epoch, t.learning_rate, t.batch_size, t.ttt_steps,
+                seed=t.seed, on_step=on_step,
+            )  # fmt: skip
+        eagle3.export(head, tmp / "head", cfg.teacher.model or cfg.models.target,
+               list(target.config.architectures or []))  # fmt: skip
+        for name in (eagle3.CONFIG_NAME, eagle3.WEIGHTS_NAME):
+            (tmp / "head" / name).replace(tmp / name)
+        (tmp / "head").rmdir()
+        tok.save_pretrained(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    final = ws.adapter / "model"
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    atomic_write_jsonl(ws.adapter / "train_log.jsonl", history)
+    metrics = {
+        "method": "eagle3",
+        "objective": "sft",
+        "kd_source": None,
+        "base_draft": "eagle3",
+        "target": ref,
+        "aux_layers": list(aux),
+        "ttt_steps": t.ttt_steps,
+        "draft_vocab": head.config.draft_vocab_size,
+        "examples": len(rows),
+        "completion_tokens": counted["tokens"],
+        "global_steps": fit["steps"],
+        "first_loss": fit["first_loss"],
+        "last_loss": fit["last_loss"],
+        "last_step_accuracy": fit["last_step_accuracy"],
+        "runtime_s": fit["runtime_s"],
+        "states_s": states_s,
+        "trainable_parameters": sum(p.numel() for p in head.parameters()),
+        "target_parameters": sum(p.numel() for p in target.parameters()),
+        "device": str(next(target.parameters()).device),
+        "inputs": inputs,
+        "inputs_hash": hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16],
+    }
+    atomic_write_json(ws.adapter / "metrics.json", metrics)
+    log.info("train: eagle3 done: loss %.3f -> %.3f over %d steps (%.0f s)",
+             fit["first_loss"], fit["last_loss"], fit["steps"], fit["runtime_s"])  # fmt: skip
     return metrics

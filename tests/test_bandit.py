@@ -582,3 +582,22 @@ def test_the_drift_guard_judges_goodput_relative_to_plain_at_its_load():
     assert plain_rate(Context(rows=1, step_cost=step)) == pytest.approx(1 / 0.05)
     assert plain_rate(Context(rows=8, step_cost=step)) == pytest.approx(1 / 0.015)
     assert BanditConfig().fallback  # on by default: the figure matters
+
+
+def test_goodput_prices_an_eagle_head_by_its_own_guessing_cost():
+    """eagle:K is charged what its head's K guesses cost (the batch's head curve), not the
+    draft model's passes: with the same acceptance, a cheap head beats the draft model, and a
+    head whose guessing costs a target pass per guess loses to plain."""
+    from pipeline.speculative.bandit import Context
+
+    b = goodput_bandit(arms=("0", "draft:4", "eagle:4"))
+    for _ in range(3):
+        b.choose()
+    for arm in ("draft:4", "eagle:4"):
+        teach(b, arm, 10, [10, 10, 10, 10], [7, 5, 4, 3])
+    step, draft = line(0.05, 0.001), line(0.012, 0.0)
+    cheap = Context(rows=1, step_cost=step, draft_cost=draft, head_cost=line(0.0, 0.002))
+    dear = Context(rows=1, step_cost=step, draft_cost=draft, head_cost=line(0.0, 0.06))
+    assert b.predict("eagle:4", cheap) == pytest.approx(2.9 / (0.05 + 0.001 * 5 + 4 * 0.002))
+    assert b.choose(cheap).arm == "eagle:4"
+    assert b.predict("eagle:4", dear) < b.predict("0", dear) < b.predict("draft:4", dear)

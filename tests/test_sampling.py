@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 
+from pipeline import eagle3
 from pipeline.models import user_prompt_ids
 from pipeline.speculative import batch as batch_mod
 from pipeline.speculative import sampling as sm
@@ -120,7 +121,9 @@ def test_sampling_refuses_values_out_of_range(bad):
 @pytest.fixture(scope="module")
 def engine(tiny_models):
     tok, target, draft = tiny_models
-    return tok, SpeculativeEngine(target, draft, [tok.eos_token_id])
+    torch.manual_seed(0)  # an EAGLE-3 head started from the target: the eagle:K arms
+    head = eagle3.new_head(target, list(range(target.config.vocab_size)), None).eval()
+    return tok, SpeculativeEngine(target, draft, [tok.eos_token_id], head=head)
 
 
 def generate_many(eng, prompt, arm, n, seed0, tokens=POSITIONS, rows=64, **kw):
@@ -141,15 +144,17 @@ def reference_samples(engine):
     return prompt, generate_many(eng, prompt, "0", SAMPLES, seed0=0, **SAMPLED)[0]
 
 
-@pytest.mark.parametrize("arm", ["draft:1", "draft:2", "draft:4", "ngram:1", "ngram:2", "ngram:4"])
+SAMPLED_ARMS = [f"{s}:{k}" for s in ("draft", "ngram", "eagle") for k in (1, 2, 4)]
+
+
+@pytest.mark.parametrize("arm", SAMPLED_ARMS)
 def test_speculative_sampling_matches_target_only_sampling(engine, reference_samples, arm):
     """Every strategy at k = 1, 2, 4: the tokens at positions 1-3 are distributed as target-only
     sampling's (no position rejects at ALPHA); the same comparison rejects the broken rules
     for the same arm (the always-accept one with a quarter of the samples: it is far off)."""
     _, eng = engine
     prompt, ref = reference_samples
-    seed0 = 100_000 * (1 + ["draft:1", "draft:2", "draft:4", "ngram:1", "ngram:2",
-                            "ngram:4"].index(arm))  # fmt: skip
+    seed0 = 100_000 * (1 + SAMPLED_ARMS.index(arm))
     spec, proposed = generate_many(eng, prompt, arm, SAMPLES, seed0, **SAMPLED)
     assert proposed > SAMPLES // 4, f"{arm} proposed only {proposed} guesses: nothing tested"
     pvalues = _compare(spec, ref)
@@ -160,6 +165,8 @@ def test_speculative_sampling_matches_target_only_sampling(engine, reference_sam
         # A point-mass guess the target rejects is rarely one it favours, so for prompt lookup
         # drawing from p instead of the residual moves the output too little to see here.
         controls = [(always_accept, SAMPLES // 4)]
+        # The eagle head here starts from the target's own last layer and head, so its q is
+        # close to p and skipping the residual moves the output too little to see as well.
         if arm.startswith("draft"):
             controls.append((no_residual, SAMPLES))
         for rule, n in controls:

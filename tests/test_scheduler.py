@@ -7,7 +7,9 @@ import threading
 import time
 
 import pytest
+import torch
 
+from pipeline import eagle3
 from pipeline.models import user_prompt_ids
 from pipeline.serving.request import Cancelled, Refused
 from pipeline.serving.scheduler import Job, Scheduler
@@ -23,13 +25,15 @@ PROMPTS = [
     "Sort a list of tuples by the second item, please.",
     "abc abc abc abc abc",
 ]
-ARMS = ["0", "draft:1", "draft:2", "draft:4", "ngram:2", "ngram:4"]
+ARMS = ["0", "draft:1", "draft:2", "draft:4", "ngram:2", "ngram:4", "eagle:1", "eagle:3"]
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_models):
     tok, target, draft = tiny_models
-    return tok, SpeculativeEngine(target, draft, [tok.eos_token_id])
+    torch.manual_seed(0)  # an EAGLE-3 head started from the target (eagle:K rows)
+    head = eagle3.new_head(target, list(range(target.config.vocab_size)), None).eval()
+    return tok, SpeculativeEngine(target, draft, [tok.eos_token_id], head=head)
 
 
 def reference(eng, ids, n):
@@ -76,6 +80,7 @@ def test_rows_of_every_arm_joining_and_leaving_give_target_only_output(engine, l
     assert len(results) == len(PROMPTS) * len(ARMS)
     # Rows shared steps (how many at once depends on the machine's speed: 5 or 6 of 6 here).
     assert 3 <= loop.batch.max_rows_seen <= 6
+    assert any(res.proposed for _, _, res in results.values() if res.arm.startswith("eagle"))
     for ids, n, res in results.values():
         ref = reference(eng, ids, n)
         assert (res.token_ids, res.finish_reason) == (ref.token_ids, ref.finish_reason), res.arm

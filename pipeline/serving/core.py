@@ -19,7 +19,7 @@ from pathlib import Path
 from .. import models
 from ..artifacts import weights_id
 from ..config import Config
-from ..speculative.arms import parse_arm
+from ..speculative.arms import parse_arm, usable
 from ..speculative.bandit import Context, per_step
 from ..speculative.batch import RowBatch
 from .policy import Policy, make_policy
@@ -55,9 +55,13 @@ class ServingCore:
         self.draft_info = draft_info
         self.target_spec = target_spec or model_id
         self.has_draft = pair.engine.drafter is not None
-        if not self.has_draft and any(parse_arm(a).needs_draft for a in policy.arms):
-            raise ValueError(f"bandit arms {policy.arms} include draft arms, and there is no draft")
-        self.default_mode = parse_mode(default_mode, policy.arms, self.has_draft)
+        self.has_head = pair.engine.head is not None
+        if not all(usable(a, self.has_draft, self.has_head) for a in policy.arms):
+            raise ValueError(
+                f"bandit arms {policy.arms} include draft or eagle arms, and there is no draft "
+                "model or head for them"
+            )
+        self.default_mode = parse_mode(default_mode, policy.arms, self.has_draft, self.has_head)
         self.scheduler = Scheduler(RowBatch(pair.engine, max_rows, limit), gate=self._gate)
         self._labels = {0: draft_id}  # draft epoch -> the draft's label
         # A prompt longer than this cannot fit the context, whatever its tokens: refused before
@@ -99,7 +103,7 @@ class ServingCore:
     def mode(self, text: str | None) -> Mode:
         if text is None:
             return self.default_mode
-        return parse_mode(text, self.policy.arms, self.has_draft)
+        return parse_mode(text, self.policy.arms, self.has_draft, self.has_head)
 
     def chat_prompt_ids(
         self, messages: list[dict], template_kwargs: dict | None = None
@@ -125,6 +129,7 @@ class ServingCore:
             step_cost=batch.cost.curve() if batch.cost.seen else None,
             draft_cost=batch.draft_cost.curve() if batch.draft_cost.seen else None,
             draft_rows=sum(1 for r in running if r.dslot is not None),
+            head_cost=batch.head_cost.curve() if batch.head_cost.seen else None,
             temperature=temperature,
             others_fed=fed + plain,
             others_tokens=tokens + plain,
@@ -136,7 +141,8 @@ class ServingCore:
         if not batch.cost.seen:
             return [True] * len(rows)
         draft = batch.draft_cost.curve() if batch.draft_cost.seen else None
-        return self.policy.may_guess(rows, batch.cost.curve(), draft)
+        head = batch.head_cost.curve() if batch.head_cost.seen else None
+        return self.policy.may_guess(rows, batch.cost.curve(), draft, head)
 
     def submit(self, req: Request) -> None:
         """Hand one request to the loop (does not block): `req.future` gets its CoreResult."""
@@ -279,7 +285,12 @@ def make_core(
     `max_batch`: rows the loop runs together (default `server.max_batch`); `policy`: another
     `bandit.policy`."""
     has_draft = pair.draft_ref is not None
-    arms = [a for a in cfg.bandit.arms if has_draft or not parse_arm(a).needs_draft] or ["0"]
+    runnable = [
+        a
+        for a in cfg.bandit.arms
+        if usable(a, pair.engine.drafter is not None, pair.engine.head is not None)
+    ]
+    arms = runnable or ["0"]  # fmt: skip
     weights = draft_weights_of(pair) if state_file is not None else None
     return ServingCore(
         pair,

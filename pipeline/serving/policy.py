@@ -112,7 +112,10 @@ class Policy:
             return Decision(arm, False, False, 0.0, means, dict(self.bandit.counts), probe=True)
         return self.bandit.choose(context)
 
-    def may_guess(self, rows: list, step_cost: tuple, draft_cost: tuple | None) -> list[bool]:
+    def may_guess(
+        self, rows: list, step_cost: tuple, draft_cost: tuple | None,
+        head_cost: tuple | None = None,
+    ) -> list[bool]:  # fmt: skip
         """Per row of a step (`batch.Row`s): whether it may guess this step. The goodput policy
         judges each adaptive row's arm at this batch (`GoodputBandit.pays`: the other rows' own
         figures, the loop's curves); other policies, and fixed arms, always may."""
@@ -131,6 +134,7 @@ class Policy:
                 step_cost=step_cost,
                 draft_cost=draft_cost,
                 draft_rows=drafting - (r.dslot is not None),
+                head_cost=head_cost,
                 temperature=r.sampling.temperature,
                 others_fed=fed - f,
                 others_tokens=tokens - t,

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from ..speculative.arms import PLAIN, Arm, canonical, parse_arm
+from ..speculative.arms import PLAIN, Arm, canonical, parse_arm, usable
 from ..speculative.bandit import Decision
 from ..speculative.engine import GenerationResult
 from ..speculative.sampling import GREEDY, Sampling
@@ -57,17 +57,17 @@ def fixed(arm) -> Mode:
     return Mode("target") if a == PLAIN else Mode("arm", a)
 
 
-def parse_mode(text: str, arms: list[str], has_draft: bool) -> Mode:
+def parse_mode(text: str, arms: list[str], has_draft: bool, has_head: bool = False) -> Mode:
     """A request's (or the config's) mode: target, bandit, or one of `arms` as fixed:K / draft:K
     (the draft model) or ngram:K (also written fixed_K, ngram_K)."""
     text = text.strip()
     arms = canonical(arms)
-    usable = [a for a in arms if has_draft or not parse_arm(a).needs_draft]
-    valid = ", ".join(["target", "bandit", *(fixed(a).spec for a in usable if a != "0")])
+    runnable = [a for a in arms if usable(a, has_draft, has_head)]
+    valid = ", ".join(["target", "bandit", *(fixed(a).spec for a in runnable if a != "0")])
     if text == "target":
         return Mode("target")
     if text == "bandit":
-        if not any(a != "0" for a in usable):
+        if not any(a != "0" for a in runnable):
             raise ModeError("mode 'bandit' needs a draft model or an ngram arm, and has neither")
         return Mode("bandit")
     try:
@@ -77,6 +77,10 @@ def parse_mode(text: str, arms: list[str], has_draft: bool) -> Mode:
     if arm.needs_draft and not has_draft:
         raise ModeError(
             f"mode {text!r} needs a draft model, and none is loaded; valid here: {valid}"
+        )
+    if arm.needs_head and not has_head:
+        raise ModeError(
+            f"mode {text!r} needs an EAGLE-3 head, and none is loaded; valid here: {valid}"
         )
     if str(arm) not in arms and arm != PLAIN:
         raise ModeError(f"bad mode {text!r}: not one of the configured arms; valid: {valid}")

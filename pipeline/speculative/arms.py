@@ -5,7 +5,9 @@ An arm says how a request drafts:
   - `draft:K`  the draft model guesses K tokens per round (the seed's arms, written `K` or
                `fixed:K` too);
   - `ngram:K`  prompt lookup: the K tokens that followed the latest earlier occurrence of the
-               last n tokens (n = 3, 2, 1) in prompt + output; free, no model pass.
+               last n tokens (n = 3, 2, 1) in prompt + output; free, no model pass;
+  - `eagle:K`  an EAGLE-3 head guesses K tokens from the target's own hidden states (the
+               step loop only: it reads them from each verify pass).
 Verification, counting and losslessness are the engine's and the same for every strategy. An
 arm's canonical text (`str(arm)`) is its id everywhere: config, bandit state, bench records,
 responses, metrics.
@@ -15,13 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-STRATEGIES = ("draft", "ngram")
+STRATEGIES = ("draft", "ngram", "eagle")
 MAX_K = 16  # a verify pass of K+1 tokens; beyond this nothing pays
 
 
 @dataclass(frozen=True)
 class Arm:
-    strategy: str  # "none" (k = 0) | "draft" | "ngram"
+    strategy: str  # "none" (k = 0) | "draft" | "ngram" | "eagle"
     k: int
 
     def __str__(self) -> str:
@@ -38,9 +40,13 @@ class Arm:
     def needs_draft(self) -> bool:
         return self.strategy == "draft" and self.k > 0
 
+    @property
+    def needs_head(self) -> bool:
+        return self.strategy == "eagle" and self.k > 0
+
 
 PLAIN = Arm("none", 0)
-FORMS = "0, draft:K (also K or fixed:K), ngram:K"
+FORMS = "0, draft:K (also K or fixed:K), ngram:K, eagle:K"
 
 
 def parse_arm(value: int | str | Arm) -> Arm:
@@ -67,6 +73,12 @@ def parse_arm(value: int | str | Arm) -> Arm:
     if not 1 <= k <= MAX_K:
         raise ValueError(f"bad arm {value!r}: K must be in 1..{MAX_K} ({FORMS})")
     return Arm(strategy, k)
+
+
+def usable(value, has_draft: bool, has_head: bool = False) -> bool:
+    """Whether an engine with (or without) a draft model and an EAGLE-3 head can run the arm."""
+    a = parse_arm(value)
+    return (has_draft or not a.needs_draft) and (has_head or not a.needs_head)
 
 
 def canonical(values) -> list[str]:

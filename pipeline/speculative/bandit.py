@@ -59,6 +59,8 @@ class Context:
     step_cost: tuple[tuple[float, float], ...] | None = None
     draft_cost: tuple[tuple[float, float], ...] | None = None
     draft_rows: int = 0  # rows drafting with the draft model now (without this one)
+    # An eagle row's guessing, against its guesses (rows draft one after another: no sharing).
+    head_cost: tuple[tuple[float, float], ...] | None = None
     # What the other rows of that batch feed and commit per step (None: rows - 1 plain rows).
     others_fed: float | None = None
     others_tokens: float | None = None
@@ -466,6 +468,8 @@ class GoodputBandit(EpsilonGreedy):
         if s == "draft" and context.draft_cost is not None:
             d, m = context.draft_cost, context.draft_rows  # m other rows draft already
             cost += k * max(0.0, step_seconds(d, m + 1) - (step_seconds(d, m) if m else 0.0))
+        if s == "eagle" and context.head_cost is not None:
+            cost += step_seconds(context.head_cost, k)
         return (tokens_o + tokens) / max(cost, 1e-9)
 
     def choose(self, context: Context | None = None) -> Decision:

@@ -9,7 +9,8 @@ A row is one request: its prompt, budget and arm (0, draft:K, ngram:K). Rows joi
 and leave when they finish, are cancelled or fail. One step:
   1. proposals, each row by its own arm: the rows drafting with the draft model step together,
      one batched draft pass per draft position (a row drops out once it has its k guesses);
-     n-gram rows by lookup; plain rows none;
+     n-gram rows by lookup; eagle rows by the EAGLE-3 head, from the target's hidden states
+     that each target pass also returns for them (`target_logits(taps=...)`); plain rows none;
   2. one target pass over every row's `[last, d1..dk]` (ragged: each row its own length, 0
      guesses included);
   3. each row's acceptance and its own cache rollback. A greedy row (temperature 0) keeps the
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .arms import Arm
+from .eagle3 import HeadCache
 from .engine import GenerationResult, SpeculativeEngine
 from .proposers import NgramProposer
 from .rows import RowCache, draft_scores, prefill, split_rows, target_logits
@@ -119,6 +121,8 @@ class Row:
     tslot: int
     dslot: int | None = None
     ngram: NgramProposer | None = None
+    hcache: HeadCache | None = None  # an eagle row's head cache
+    aux_new: list = field(default_factory=list)  # target states of committed positions unread
     sampling: Sampling = GREEDY
     gen: object = None  # the row's torch.Generator (sampled rows)
     q: list = field(default_factory=list)  # the draft's distribution for each guess (sampled)
@@ -181,6 +185,7 @@ class RowBatch:
         self.limit = min(limit, model_limit) if limit else model_limit
         self.cost = StepCost()  # the target pass: time against tokens fed
         self.draft_cost = StepCost()  # one draft pass: time against rows drafted for
+        self.head_cost = StepCost()  # an eagle row's guesses: time against guesses
         self.rows: list[Row] = []
         self.epoch = 0  # bumped by each `set_engine` (a new draft)
         self.steps = 0
@@ -203,6 +208,8 @@ class RowBatch:
             raise ValueError(f"prompt of {len(prompt)} tokens fills the {self.limit}-token context")
         if arm.needs_draft and self.engine.drafter is None:
             raise ValueError(f"arm {arm} needs a draft model; this engine has none")
+        if arm.needs_head and self.engine.head is None:
+            raise ValueError(f"arm {arm} needs an EAGLE-3 head; this engine has none")
 
     def _caches(self) -> tuple[RowCache, RowCache | None]:
         if self._tcache is None:
@@ -262,6 +269,7 @@ class RowBatch:
                     tslot=tc.alloc(),
                     dslot=dc.alloc() if drafting else None,
                     ngram=NgramProposer() if arm.strategy == "ngram" and arm.k > 0 else None,
+                    hcache=HeadCache() if arm.needs_head and self.engine.head else None,
                     sampling=sampling,
                     gen=sampling.generator(),
                     logprobs=[] if sampling.logprobs is not None else None,
@@ -273,10 +281,17 @@ class RowBatch:
         self.rows += joined
         pad = self.engine.pad_token_id
         drafting = [r for r in joined if r.dslot is not None]
+        taps = self._taps(joined)
         try:
             t0 = time.perf_counter()
-            prefill(self.engine.target, tc, [r.tslot for r in joined],
-                    [r.seq[:-1] for r in joined], pad)  # fmt: skip
+            fed = prefill(self.engine.target, tc, [r.tslot for r in joined],
+                          [r.seq[:-1] for r in joined], pad, taps)  # fmt: skip
+            if taps:  # the eagle rows keep their prompt's target states for the head
+                with_feed = [r for r in joined if len(r.seq) > 1]
+                parts = fed[1].split([len(r.seq) - 1 for r in with_feed])
+                for r, part in zip(with_feed, parts, strict=True):
+                    if r.hcache is not None:
+                        r.aux_new.append(part)
             t1 = time.perf_counter()
             if drafting:
                 prefill(self.engine.drafter.model, dc, [r.dslot for r in drafting],
@@ -295,6 +310,11 @@ class RowBatch:
             r.cost_s += (t2 - t1) / len(drafting)
         self.max_rows_seen = max(self.max_rows_seen, len(self.rows))
         return joined
+
+    def _taps(self, rows: list[Row]) -> tuple[int, ...]:
+        """The target layers to read in a pass over `rows`: the head's, if one is an eagle row."""
+        head = self.engine.head
+        return head.config.aux_layer_ids if head and any(r.hcache for r in rows) else ()
 
     def leave(self, row: Row) -> None:
         """Take a row out (finished, cancelled): its slots freed, the last rows moved in."""
@@ -335,11 +355,16 @@ class RowBatch:
             if r.ngram is not None and r.k_eff > 0:
                 r.drafts = r.ngram.propose(r.seq, r.k_eff)[: r.k_eff]
         drafting_s = self._draft([r for r in rows if r.dslot is not None and r.k_eff > 0])
+        drafting_s += self._eagle([r for r in rows if r.hcache is not None and r.k_eff > 0])
         # 2. one target pass over every row
         tc, dc = self._caches()
         feeds = [[r.seq[-1], *r.drafts] for r in rows]
+        taps = self._taps(rows)
         t1 = time.perf_counter()
-        logits = target_logits(self.engine.target, tc, [r.tslot for r in rows], feeds)
+        logits = target_logits(self.engine.target, tc, [r.tslot for r in rows], feeds, taps)
+        if taps:
+            logits, tapped = logits
+            tapped = tapped.split([len(f) for f in feeds])
         preds = split_rows(logits.argmax(-1).tolist(), feeds)
         t2 = time.perf_counter()
         fed = [len(f) for f in feeds]
@@ -382,6 +407,8 @@ class RowBatch:
                 r.proposed_pos[i] += 1
                 r.accepted_pos[i] += i < m
             tc.crop(r.tslot, len(r.seq) + m)
+            if r.hcache is not None:  # the states of what it committed: last + accepted
+                r.aux_new.append(tapped[j][: m + 1])
             if r.dslot is not None and dc is not None:
                 dc.crop(r.dslot, len(r.seq) + m)
             hit_eos = False
@@ -453,6 +480,37 @@ class RowBatch:
             i += 1
             active = [r for r in active if r.k_eff > i]
             feeds = [[r.drafts[-1]] for r in active]
+        return time.perf_counter() - start
+
+    def _eagle(self, rows: list[Row]) -> float:
+        """The EAGLE-3 head's guesses for `rows`, row by row (a head step is a small fraction
+        of a target step): each reads the target states of what it committed since its last
+        turn, then drafts k_eff tokens, greedy or drawn (a sampled row keeps each guess's
+        distribution, over the target's vocabulary, for verify). Returns the seconds."""
+        if not rows:
+            return 0.0
+        start = time.perf_counter()
+        head = self.engine.head
+        ids = head.target_ids
+        for r in rows:
+            if not r.aux_new:  # a one-token prompt: no target state yet, no guess this step
+                continue
+            t0 = time.perf_counter()
+            fresh = torch.cat(r.aux_new) if len(r.aux_new) > 1 else r.aux_new[0]
+            r.aux_new = []
+            choose = None
+            if not r.sampling.greedy:
+
+                def choose(scores, r=r):
+                    q = probabilities_of([scores], [r.sampling])[0]
+                    r.q.append(self._full(q, ids))
+                    return draw(q, r.gen)
+
+            r.drafts = head.draft(r.seq, fresh, r.hcache, r.k_eff, choose)
+            dt = time.perf_counter() - t0
+            self.head_cost.observe(r.k_eff, dt)
+            r.draft_s += dt
+            r.cost_s += dt
         return time.perf_counter() - start
 
     def _full(self, q: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:

@@ -101,11 +101,13 @@ class SpeculativeEngine:
         static_len: int | None = None,
         draft_token_ids: Sequence[int] | None = None,
         share_target: SpeculativeEngine | None = None,
+        head=None,
     ):
         """`static_len`: preallocated caches of that many positions (needed to compile);
         `draft_token_ids`: prune the draft's head to these ids; `share_target`: an engine over
         the same target whose target step (static cache, compiled graph) this one uses
-        (engines that share must not generate at the same time)."""
+        (engines that share must not generate at the same time); `head`: an EAGLE-3 head
+        (`eagle3.Eagle3Head`) over this target, for eagle:K arms in the step loop."""
         self.target = target
         self.eos_token_ids = set(eos_token_ids)
         self.pad_token_id = (
@@ -128,6 +130,12 @@ class SpeculativeEngine:
             self.target_step = ModelStep(target, target_logits, static_len)
         if draft_token_ids is not None and draft is None:
             raise ValueError("a pruned draft head needs a draft")
+        if head is not None and head.config.vocab_size != target.config.vocab_size:
+            raise ValueError(
+                f"the eagle3 head's vocabulary ({head.config.vocab_size}) is not the target's "
+                f"({target.config.vocab_size})"
+            )
+        self.head = head
         self.draft = draft
         self.drafter = Drafter(draft, static_len, draft_token_ids) if draft is not None else None
 
@@ -180,6 +188,11 @@ class SpeculativeEngine:
     def proposer(self, strategy: str, k: int) -> Proposer | None:
         """A fresh proposer for one generation with arm `strategy:k` (None for k = 0)."""
         cls = PROPOSERS.get(strategy)
+        if strategy == "eagle" and k:
+            raise ValueError(
+                "eagle:K runs in the step loop (`batch.RowBatch`), which reads the target's "
+                "hidden states from each verify pass; engine.generate has no such pass"
+            )
         if cls is None:
             raise ValueError(f"unknown draft strategy {strategy!r}: one of {sorted(PROPOSERS)}")
         if k == 0:

@@ -226,25 +226,32 @@ def _flat(feeds: Sequence[Sequence[int]], device) -> torch.Tensor:
     return torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=device)
 
 
-def _hidden(model, cache: RowCache, slots, feeds) -> torch.Tensor:
+def _hidden(model, cache: RowCache, slots, feeds, taps: Sequence[int] = ()):
     """One flattened forward over the rows: the final hidden states of every fed token
     [T, hidden], through the model's lean runner (`runner.py`) when it has one, else through
-    transformers' forward with `rows_attention`. The cache advances."""
+    transformers' forward with `rows_attention`. The cache advances. With `taps` (layer ids):
+    also those layers' inputs, concatenated [T, len(taps) * hidden] (an EAGLE-3 head's)."""
     plan = cache.plan(slots, feeds)
     ids = _flat(feeds, cache.device)
     runner = getattr(model, "_phoenix_runner", None)
+    tapped: list[torch.Tensor] = []
     if runner is not None:
-        hidden = runner.hidden(ids, cache, plan)
+        hidden = runner.hidden(ids, cache, plan, taps, tapped)
     else:
-        hidden = model.base_model(
+        out = model.base_model(
             input_ids=ids[None],
             position_ids=plan.positions[None],
             attention_mask=plan.mask,  # 4-D: passed through as is (rows_attention uses the plan)
             cache=cache,
             use_cache=True,
             phoenix_plan=plan,
-        ).last_hidden_state[0]
+            output_hidden_states=bool(taps),
+        )
+        hidden = out.last_hidden_state[0]
+        tapped = [out.hidden_states[i][0] for i in sorted(taps)] if taps else []
     cache.advance(slots, [len(f) for f in feeds])
+    if taps:
+        return hidden, torch.cat(tapped, dim=-1)
     return hidden
 
 
@@ -255,10 +262,15 @@ def _head(model, hidden: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def target_logits(
-    model, cache: RowCache, slots: Sequence[int], feeds: Sequence[Sequence[int]]
-) -> torch.Tensor:
+    model, cache: RowCache, slots: Sequence[int], feeds: Sequence[Sequence[int]],
+    taps: Sequence[int] = (),
+):  # fmt: skip
     """Feed each row its tokens; returns the target's logits after every fed token, the rows'
-    feeds one after another ([sum of feed lengths, vocab])."""
+    feeds one after another ([sum of feed lengths, vocab]); with `taps`, (logits, the tapped
+    layers' inputs [sum of feed lengths, len(taps) * hidden])."""
+    if taps:
+        hidden, tapped = _hidden(model, cache, slots, feeds, taps)
+        return _head(model, hidden), tapped
     return _head(model, _hidden(model, cache, slots, feeds))
 
 
@@ -281,13 +293,16 @@ def target_scores(
 
 @torch.inference_mode()
 def prefill(
-    model, cache: RowCache, slots: Sequence[int], feeds: Sequence[Sequence[int]], pad_id: int = 0
-) -> None:
+    model, cache: RowCache, slots: Sequence[int], feeds: Sequence[Sequence[int]], pad_id: int = 0,
+    taps: Sequence[int] = (),
+):  # fmt: skip
     """Feed each row its tokens for the cache only (no scores: the next step feeds the last
-    token). Rows with nothing to feed are left alone."""
+    token). Rows with nothing to feed are left alone. With `taps`: returns (hidden, the tapped
+    layers' inputs) of the rows fed, their feeds one after another (else None)."""
     pairs = [(s, f) for s, f in zip(slots, feeds, strict=True) if f]
     if pairs:
-        _hidden(model, cache, [s for s, _ in pairs], [f for _, f in pairs])
+        return _hidden(model, cache, [s for s, _ in pairs], [f for _, f in pairs], taps)
+    return None
 
 
 @torch.inference_mode()

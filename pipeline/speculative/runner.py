@@ -17,6 +17,7 @@ own forward with `rows.rows_attention` (the same caches, the same plan, the same
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -154,15 +155,21 @@ class LeanRunner:
         self._pre, self._post = _pre, _post
 
     @torch.inference_mode()
-    def hidden(self, ids: torch.Tensor, cache: RowCache, plan: Plan) -> torch.Tensor:
+    def hidden(
+        self, ids: torch.Tensor, cache: RowCache, plan: Plan, taps: Sequence[int] = (),
+        tapped: list | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """The final normed hidden states of the fed tokens, [T, hidden]; the cache gets their
-        keys and values (the caller advances its lengths)."""
+        keys and values (the caller advances its lengths). `taps`: layers whose input (the
+        residual stream, transformers' `hidden_states[i]`) is appended to `tapped`, in order
+        (an EAGLE-3 head reads them)."""
         choice, eps, shape = self.choice, self.eps, (self.heads, self.kv_heads, self.head_dim)
         x = self.embed_tokens(ids)  # [T, hidden]
         cos = self.cos[plan.positions][:, None]  # [T, 1, head_dim]
         sin = self.sin[plan.positions][:, None]
         scale = self.head_dim**-0.5
         for i, (n1, qkv, qkv_b, qn, kn, o, n2, gu, gu_b, down) in enumerate(self.layers):
+            tapped.extend([x] * taps.count(i))  # ascending layers: the taps sorted
             q, k, v = self._pre(x, n1, qkv, qkv_b, qn, kn, cos, sin, eps, shape, choice)
             keys, values = cache.write(i, k, v)
             out = attend(q, keys, values, plan, scale)  # [T, heads, head_dim]

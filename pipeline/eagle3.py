@@ -1,0 +1,391 @@
+"""EAGLE-3 heads: the target's hidden states cached, the head trained on them, exported in the
+speculators format vLLM loads, and loaded back. The head itself is `speculative/eagle3.py`.
+
+    states   the target reads every training prompt + answer once (batched) and its hidden
+             states at the three aux layers, with its own greedy next token at each position,
+             are cached in <dir>/states-<key>/ (shards of `SHARD` rows, bf16; resumable: a
+             finished shard is kept). The key hashes the target's weights and the rows' token
+             ids: another target or other answers means other states, never silently reused.
+    train    AdamW on the training-time test (`Eagle3Head.ttt_logits`), loss over the answer
+             positions, step j weighted 0.8^j (EAGLE-3), labels the target's own greedy tokens
+             (what acceptance checks), restricted to the head's vocabulary.
+    export   config.json (`speculators_model_type: eagle3`, `speculators_config` with the
+             verifier) + model.safetensors, the names vLLM's `llama_eagle3` reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .speculative.eagle3 import Eagle3Config, Eagle3Head, config_from_target
+from .workspace import atomic_write_json, make_temp_dir
+
+log = logging.getLogger(__name__)
+
+SHARD = 32  # rows per cached shard
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+STEP_WEIGHT = 0.8  # EAGLE-3's loss weight per training-time-test step
+
+
+def states_key(target_weights: str, rows: list[dict], aux: tuple[int, ...]) -> str:
+    """Keyed by the target's weights hash, the rows' tokens and the layers read."""
+    h = hashlib.sha256(target_weights.encode())
+    h.update(json.dumps(list(aux)).encode())
+    for r in rows:
+        h.update(json.dumps([r["input_ids"], r["completion_mask"]]).encode())
+    return h.hexdigest()[:16]
+
+
+@torch.no_grad()
+def target_states(
+    target, rows: list[dict], aux: tuple[int, ...], pad_id: int
+) -> list[dict[str, torch.Tensor]]:
+    """One padded batch through the target: per row its aux hidden states [T, 3H] (bf16) and
+    its greedy next token at each position [T]."""
+    t = max(len(r["input_ids"]) for r in rows)
+    dev = next(target.parameters()).device
+    ids = torch.full((len(rows), t), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), t), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
+        mask[i, : len(r["input_ids"])] = 1
+    out = target(input_ids=ids.to(dev), attention_mask=mask.to(dev), output_hidden_states=True)
+    hs = torch.cat([out.hidden_states[a] for a in aux], dim=-1)
+    greedy = out.logits.argmax(-1)
+    return [
+        {"aux": hs[i, : len(r["input_ids"])].to(torch.bfloat16).cpu(),
+         "greedy": greedy[i, : len(r["input_ids"])].cpu()}
+        for i, r in enumerate(rows)
+    ]  # fmt: skip
+
+
+def cache_states(
+    target,
+    rows: list[dict],
+    aux: tuple[int, ...],
+    pad_id: int,
+    folder: Path,
+    batch: int = 8,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[Path]:
+    """Every row's states in shards under `folder` (kept across runs: a finished shard is not
+    recomputed). Rows are batched by length to waste little padding."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for s in range(0, len(rows), SHARD):
+        path = folder / f"shard-{s // SHARD:05d}.pt"
+        shards.append(path)
+        if path.is_file():
+            if progress:
+                progress(min(s + SHARD, len(rows)), len(rows))
+            continue
+        part = rows[s : s + SHARD]
+        order = sorted(range(len(part)), key=lambda i: len(part[i]["input_ids"]))
+        states: list[dict | None] = [None] * len(part)
+        for b in range(0, len(order), batch):
+            idx = order[b : b + batch]
+            got = target_states(target, [part[i] for i in idx], aux, pad_id)
+            for i, st in zip(idx, got, strict=True):
+                states[i] = st
+        data = [
+            {**st, "ids": torch.tensor(r["input_ids"]), "mask": torch.tensor(r["completion_mask"])}
+            for st, r in zip(states, part, strict=True)
+        ]
+        tmp = path.with_suffix(".tmp")
+        torch.save(data, tmp)
+        tmp.replace(path)
+        if progress:
+            progress(min(s + SHARD, len(rows)), len(rows))
+    return shards
+
+
+def load_shards(shards: list[Path]) -> list[dict]:
+    return [row for p in shards for row in torch.load(p, weights_only=True)]
+
+
+def init_from_target(head: Eagle3Head, target) -> None:
+    """What can come from the target: the layer's MLP, norms and the hidden half of its
+    attention from the target's last layer; the output head from the target's head rows (its
+    final norm too). `fc` starts as the mean of the three depths (identity per block, / 3)."""
+    c = head.config
+    last = target.model.layers[-1]
+    layer = head.layers[0]
+    h = c.hidden_size
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            w = getattr(last.self_attn, name).weight
+            getattr(layer.self_attn, name).weight.zero_()
+            getattr(layer.self_attn, name).weight[:, h:].copy_(w)
+            getattr(layer.self_attn, name).weight[:, :h].copy_(w * 0.1)
+        layer.self_attn.o_proj.weight.copy_(last.self_attn.o_proj.weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(layer.mlp, name).weight.copy_(getattr(last.mlp, name).weight)
+        layer.input_layernorm.weight.copy_(last.input_layernorm.weight)
+        layer.hidden_norm.weight.copy_(last.input_layernorm.weight)
+        layer.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight)
+        head.norm.weight.copy_(target.model.norm.weight)
+        eye = torch.eye(h) / 3
+        head.fc.weight.copy_(torch.cat([eye, eye, eye], dim=1))
+        out = target.get_output_embeddings().weight
+        head.lm_head.weight.copy_(out[head.target_ids])
+
+
+def new_head(target, vocab_ids: list[int], aux: tuple[int, ...] | None, init: bool = True):
+    c = config_from_target(target.config, len(vocab_ids), aux)
+    head = Eagle3Head(c, target.get_input_embeddings())
+    head.set_vocab(vocab_ids)
+    if init:
+        init_from_target(head, target)
+    return head
+
+
+def _batch(rows: list[dict], steps: int) -> tuple[torch.Tensor, ...]:
+    t = max(len(r["ids"]) for r in rows)
+    b = len(rows)
+    ids = torch.zeros(b, t, dtype=torch.long)
+    aux = torch.zeros(b, t, rows[0]["aux"].shape[-1])
+    greedy = torch.zeros(b, t, dtype=torch.long)
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        n = len(r["ids"])
+        ids[i, :n], aux[i, :n], greedy[i, :n] = r["ids"], r["aux"].float(), r["greedy"]
+        mask[i, :n] = r["mask"].bool()
+    return ids, aux, greedy, mask
+
+
+def ttt_loss(
+    head: Eagle3Head, rows: list[dict], steps: int, index: torch.Tensor
+) -> tuple[torch.Tensor, list[float]]:
+    """The weighted loss of a batch and each step's accuracy on its labelled positions.
+
+    Step j's query t scores position t+j+2, whose label is the target's greedy token after
+    position t+j+1 (`greedy[t+j+1]`); it counts where that token is an answer token (its
+    completion mask) and in the head's vocabulary."""
+    ids, aux, greedy, mask = _batch(rows, steps)
+    outs = head.ttt_logits(ids, aux, steps, score=False)  # scored below where labelled
+    b, t = ids.shape
+    total = torch.zeros(())
+    accs = []
+    for j, normed in enumerate(outs):
+        src = torch.arange(t) + j + 1  # the position whose greedy token is the label
+        ok = src < t
+        src = src.clamp(max=t - 1)
+        label_t = greedy[:, src]
+        # The label is the token at src + 1: an answer token if its mask is set.
+        nxt = (src + 1).clamp(max=t - 1)
+        valid = ok[None] & (src + 1 < t)[None] & mask[:, nxt]
+        label = index[label_t]
+        valid = valid & (label >= 0)
+        if not valid.any():
+            accs.append(float("nan"))
+            continue
+        lg = head.lm_head(normed[valid]).float()
+        lb = label[valid]
+        total = total + STEP_WEIGHT**j * F.cross_entropy(lg, lb)
+        accs.append(float((lg.argmax(-1) == lb).float().mean()))
+    return total, accs
+
+
+def train_head(
+    head: Eagle3Head,
+    rows: list[dict],
+    epochs: float,
+    lr: float,
+    batch_size: int,
+    steps: int,
+    seed: int = 0,
+    on_step: Callable[[int, int, float, list[float]], None] | None = None,
+) -> dict[str, Any]:
+    """AdamW over the cached rows (the embedding stays the target's, frozen); cosine decay after
+    a short warm-up. Returns the run's figures."""
+    g = torch.Generator().manual_seed(seed)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    per_epoch = math.ceil(len(rows) / batch_size)
+    total = max(1, round(per_epoch * epochs))
+    warm = max(1, total // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)),
+    )
+    index = head.draft_index()
+    head.train()
+    t0 = time.perf_counter()
+    first = last = None
+    step = 0
+    last_accs: list[float] = []
+    while step < total:
+        order = torch.randperm(len(rows), generator=g).tolist()
+        for s in range(0, len(order), batch_size):
+            if step >= total:
+                break
+            loss, accs = ttt_loss(head, [rows[i] for i in order[s : s + batch_size]], steps, index)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            step += 1
+            value = loss.item()
+            first = value if first is None else first
+            last, last_accs = value, accs
+            if on_step:
+                on_step(step, total, value, accs)
+    head.eval()
+    return {
+        "steps": step,
+        "epochs": step / per_epoch,
+        "runtime_s": time.perf_counter() - t0,
+        "first_loss": first,
+        "last_loss": last,
+        "last_step_accuracy": last_accs,
+    }
+
+
+# -- the speculators format ------------------------------------------------------------------
+
+
+def export(head: Eagle3Head, folder: Path, verifier: str, architectures: list[str]) -> None:
+    """`folder`: config.json + model.safetensors as vllm-project/speculators saves an Eagle3
+    speculator (vLLM reads it with `method: eagle3`). `verifier`: the target's name or path."""
+    from safetensors.torch import save_file
+
+    c = head.config
+    layer = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": c.hidden_act,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.9.0",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": c.draft_vocab_size,
+        "norm_before_residual": False,  # vLLM's default when absent is True: always written
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "tie_word_embeddings": False,
+        "target_hidden_size": c.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": 4,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "verifier": {"name_or_path": verifier, "architectures": list(architectures)},
+        },
+        "phoenix": {"head": c.to_dict()},
+        "torch_dtype": "float32",
+    }
+    tmp = make_temp_dir(folder.parent, f".{folder.name}-")
+    tensors = {
+        k: v.detach().contiguous().cpu() for k, v in head.state_dict().items() if k != "inv_freq"
+    }
+    if c.draft_vocab_size == c.vocab_size:  # vLLM refuses the maps with the full vocabulary
+        tensors.pop("d2t")
+        tensors.pop("t2d")
+    save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+    atomic_write_json(tmp / CONFIG_NAME, config)
+    if folder.exists():
+        import shutil
+
+        shutil.rmtree(folder)
+    tmp.replace(folder)
+
+
+def is_eagle3_dir(folder: str | Path) -> bool:
+    p = Path(folder) / CONFIG_NAME
+    if not p.is_file():
+        return False
+    try:
+        return json.loads(p.read_text()).get("speculators_model_type") == "eagle3"
+    except ValueError:
+        return False
+
+
+def load_head(folder: str | Path, target, verifier: str | None = None) -> Eagle3Head:
+    """An exported head, on the target's embeddings. `verifier`: the serving target's name;
+    a head exported for another verifier is refused, naming both."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    config = json.loads((folder / CONFIG_NAME).read_text())
+    made_for = config.get("speculators_config", {}).get("verifier", {}).get("name_or_path")
+    if verifier is not None and made_for != verifier:
+        raise ValueError(
+            f"the eagle3 head {folder} was trained for the verifier {made_for!r}, "
+            f"but the target is {verifier!r}"
+        )
+    c = Eagle3Config.from_dict(config["phoenix"]["head"])
+    if c.hidden_size != target.config.hidden_size or c.vocab_size != target.config.vocab_size:
+        raise ValueError(
+            f"the eagle3 head {folder} has hidden {c.hidden_size} / vocab {c.vocab_size}; the "
+            f"target {target.config.hidden_size} / {target.config.vocab_size}"
+        )
+    head = Eagle3Head(c, target.get_input_embeddings())
+    state = load_file(str(folder / WEIGHTS_NAME))
+    if "d2t" not in state:  # the full vocabulary: identity maps
+        state["d2t"] = torch.zeros(c.draft_vocab_size, dtype=torch.long)
+        state["t2d"] = torch.ones(c.vocab_size, dtype=torch.bool)
+    head.load_state_dict(state, strict=False)
+    missing = set(head.state_dict()) - set(state) - {"inv_freq"}
+    if missing:
+        raise ValueError(f"the eagle3 head {folder} lacks {sorted(missing)}")
+    return head.to(next(target.parameters()).dtype).eval()
+
+
+# -- the merge stage's check and card ---------------------------------------------------------
+
+
+@torch.no_grad()
+def head_logits(head: Eagle3Head, target, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """The head's first-guess logits at every position of each prompt (teacher-forced)."""
+    from .speculative.eagle3 import HeadCache
+
+    out = []
+    dev = next(target.parameters()).device
+    for p in prompts:
+        o = target(input_ids=torch.tensor([p], device=dev), output_hidden_states=True)
+        aux = torch.cat([o.hidden_states[a] for a in head.config.aux_layer_ids], dim=-1)
+        logits, _ = head.forward_step(
+            torch.tensor([p[1:]], device=dev), head.fuse(aux[:, :-1]), 0, HeadCache()
+        )
+        out.append(logits.float().cpu())
+    return out
+
+
+def vllm_command(target: str, head_dir: str, k: int = 4) -> str:
+    spec = json.dumps({"method": "eagle3", "model": head_dir, "num_speculative_tokens": k})
+    return f"python -m vllm.entrypoints.openai.api_server --model {target} --speculative-config '{spec}'"

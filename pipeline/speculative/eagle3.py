@@ -1,0 +1,363 @@
+"""EAGLE-3 draft head: one decoder layer that drafts from the target's own hidden states.
+
+Pure torch: tensors in, tensors out; no files (export and loading are `pipeline/eagle3.py`'s).
+
+The head (Li et al. 2025, EAGLE-3; the layout vllm-project/speculators saves and vLLM's
+`llama_eagle3` serves):
+  - `fc`: the target's hidden states from three depths (`aux_layer_ids`, the inputs of those
+    decoder layers, EAGLE-3's low/middle/high; default 2, L/2, L-3 as vLLM chooses), concatenated
+    (3H) and fused to H;
+  - one Llama decoder layer whose attention reads `[input_layernorm(embed(next token));
+    hidden_norm(hidden)]` (2H wide), residual = the hidden; then `post_attention_layernorm`, MLP;
+  - `norm` and `lm_head` over a pruned vocabulary of `draft_vocab_size` ids (`d2t`: draft id ->
+    target id offset, `t2d`: which target ids the head can propose);
+  - the target's input embeddings, frozen and shared (not the head's weights).
+
+Drafting, for a sequence whose tokens x_0..x_m are committed and whose target hidden states
+g_0..g_{m-1} are known (g_t: the target after reading x_t): the head's position t reads
+(x_{t+1}, fc(g_t)); its output at m-1 scores the first guess d_1. Guess j+1 reads (d_j, the head's
+own pre-norm output at the previous position): the hidden it feeds itself. Its KV cache holds the
+committed positions; the guesses' entries are dropped after the round (`HeadCache.crop`).
+
+Training (`ttt_logits`): EAGLE-3's training-time test. Step 0 is teacher-forced (every position
+reads the target's hidden state); step j reads the head's own step j-1 output, attending to the
+step-0 keys of the real context plus its own chain's keys, exactly the attention drafting sees
+at guess j+1. So positions 2..k are trained, not only the first.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    aux_layer_ids: tuple[int, ...]
+    max_position_embeddings: int = 4096
+    hidden_act: str = "silu"
+    target_layers: int = 0  # the target's decoder layers (the aux ids index them)
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["aux_layer_ids"] = list(self.aux_layer_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Eagle3Config:
+        d = dict(d)
+        d["aux_layer_ids"] = tuple(d["aux_layer_ids"])
+        return cls(**d)
+
+
+def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low/middle/high depths as vLLM picks them: 2, L // 2, L - 3 (clamped to the
+    layers there are), ascending."""
+    return tuple(sorted((min(2, n_layers - 1), n_layers // 2, max(0, n_layers - 3))))
+
+
+def rope_theta_of(cfg) -> float:
+    """A transformers config's RoPE base (transformers 5 keeps it in `rope_parameters`)."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(getattr(cfg, "rope_theta", 10000.0))
+
+
+def config_from_target(
+    tcfg, draft_vocab: int, aux_layers: tuple[int, ...] | None = None
+) -> Eagle3Config:
+    """The head's config for a target (a transformers config): its widths, heads and RoPE."""
+    n = tcfg.num_hidden_layers
+    aux = tuple(sorted(aux_layers or default_aux_layers(n)))  # ascending, as vLLM sorts them
+    if len(aux) != 3 or any(not 0 <= a < n for a in aux):
+        raise ValueError(f"eagle3 reads three target layers in [0, {n}), got {list(aux)}")
+    heads = tcfg.num_attention_heads
+    return Eagle3Config(
+        hidden_size=tcfg.hidden_size,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(tcfg, "num_key_value_heads", heads) or heads,
+        head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads,
+        intermediate_size=tcfg.intermediate_size,
+        rms_norm_eps=float(getattr(tcfg, "rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta_of(tcfg),
+        vocab_size=tcfg.vocab_size,
+        draft_vocab_size=min(draft_vocab or tcfg.vocab_size, tcfg.vocab_size),
+        aux_layer_ids=aux,
+        max_position_embeddings=getattr(tcfg, "max_position_embeddings", 4096),
+        target_layers=n,
+    )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        h, d = c.hidden_size, c.head_dim
+        self.q_proj = nn.Linear(2 * h, c.num_attention_heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * h, c.num_key_value_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * h, c.num_key_value_heads * d, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * d, h, bias=False)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        h, i = c.hidden_size, c.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    """The one decoder layer, named as speculators saves it (`layers.0.*`)."""
+
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class HeadCache:
+    """One sequence's keys and values in the head's layer: [1, kv heads, positions, head dim]."""
+
+    def __init__(self):
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def crop(self, length: int) -> None:
+        if self.k is not None and self.k.shape[2] > length:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+
+class Eagle3Head(nn.Module):
+    """The head. `embed`: the target's input embedding module (frozen, shared, not saved)."""
+
+    def __init__(self, c: Eagle3Config, embed: nn.Module | None = None):
+        super().__init__()
+        self.config = c
+        h = c.hidden_size
+        self.fc = nn.Linear(3 * h, h, bias=False)
+        self.layers = nn.ModuleList([Layer(c)])
+        self.norm = RMSNorm(h, c.rms_norm_eps)
+        self.lm_head = nn.Linear(h, c.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+        d = c.head_dim
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self._embed = [embed]  # a list: not a submodule, so neither trained nor saved
+
+    # -- the vocabulary ---------------------------------------------------------------------
+    def set_vocab(self, target_ids: list[int]) -> None:
+        """The target ids the head proposes, ascending; `d2t`/`t2d` as speculators store them."""
+        ids = torch.tensor(sorted(set(target_ids)), dtype=torch.long)
+        if len(ids) != self.config.draft_vocab_size:
+            raise ValueError(f"{len(ids)} ids for a head of {self.config.draft_vocab_size}")
+        self.d2t.copy_(ids - torch.arange(len(ids)))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    @property
+    def target_ids(self) -> torch.Tensor:
+        """Draft id -> target id."""
+        return self.d2t + torch.arange(len(self.d2t), device=self.d2t.device)
+
+    def draft_index(self) -> torch.Tensor:
+        """Target id -> draft id, -100 where the head cannot propose it."""
+        out = torch.full((self.config.vocab_size,), -100, dtype=torch.long, device=self.d2t.device)
+        out[self.target_ids] = torch.arange(len(self.d2t), device=self.d2t.device)
+        return out
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        e = self._embed[0]
+        if e is None:
+            raise RuntimeError("the eagle3 head has no embedding: attach the target's")
+        with torch.no_grad():  # the target's, frozen: no gradient into its 49k rows
+            return e(ids).to(self.fc.weight.dtype)
+
+    def attach_embedding(self, embed: nn.Module) -> None:
+        self._embed[0] = embed
+
+    # -- the layer, in parts ----------------------------------------------------------------
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [B, heads, T, d] at positions pos [B, T]."""
+        freqs = pos.to(torch.float32)[..., None] * self.inv_freq  # [B, T, d/2]
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, d]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        return x * cos + rotate_half(x) * sin
+
+    def _qkv(self, emb: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor):
+        """Queries, keys, values [B, heads, T, d] (RoPE applied) and the residual."""
+        c, layer = self.config, self.layers[0]
+        x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)
+        b, t, _ = x.shape
+        a = layer.self_attn
+        q = a.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = a.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = a.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        return self._rope(q, pos), self._rope(k, pos), v, hidden
+
+    def _out(self, attn: torch.Tensor, residual: torch.Tensor, score: bool = True):
+        """attn [B, heads, T, d] -> (draft logits [B, T, V_d], or with `score` False the
+        normed hidden they come from; the pre-norm hidden [B, T, H])."""
+        layer = self.layers[0]
+        b, _, t, _ = attn.shape
+        h = layer.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, -1)) + residual
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        normed = self.norm(h)
+        return (self.lm_head(normed) if score else normed), h
+
+    def _expand(self, kv: torch.Tensor) -> torch.Tensor:
+        rep = self.config.num_attention_heads // self.config.num_key_value_heads
+        return kv if rep == 1 else kv.repeat_interleave(rep, dim=1)
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """The target's three hidden states [.., 3H] -> the head's hidden [.., H]."""
+        return self.fc(aux.to(self.fc.weight.dtype))
+
+    # -- drafting ---------------------------------------------------------------------------
+    def forward_step(
+        self, ids: torch.Tensor, hidden: torch.Tensor, start: int, cache: HeadCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions start..start+T-1 of one sequence: ids [1, T] (the next tokens), hidden
+        [1, T, H] (fused target states, or the head's own). Appends to `cache`; returns the
+        logits [1, T, V_d] and pre-norm outputs [1, T, H]."""
+        t = ids.shape[1]
+        pos = torch.arange(start, start + t, device=ids.device)[None]
+        q, k, v, residual = self._qkv(self.embed(ids), hidden, pos)
+        k_all, v_all = cache.append(k, v)
+        s = k_all.shape[2]
+        # Causal over the new positions; every cached one visible.
+        mask = torch.ones(t, s, dtype=torch.bool, device=ids.device).tril(s - t)
+        attn = F.scaled_dot_product_attention(
+            q, self._expand(k_all), self._expand(v_all), attn_mask=mask
+        )
+        return self._out(attn, residual)
+
+    @torch.no_grad()
+    def propose(
+        self, seq: list[int], aux: torch.Tensor, cache: HeadCache, k: int, choose=None
+    ) -> list[int]:
+        """k guesses after `seq` (committed x_0..x_m), given the target's hidden states `aux`
+        [>= m, 3H] of x_0..x_{m-1}: `draft` with the ones the cache has not read."""
+        m = len(seq) - 1
+        return self.draft(seq, aux[cache.length : m], cache, k, choose)
+
+    @torch.no_grad()
+    def draft(
+        self, seq: list[int], fresh: torch.Tensor, cache: HeadCache, k: int, choose=None
+    ) -> list[int]:
+        """k guesses after `seq` (committed x_0..x_m). `fresh` [n, 3H]: the target's hidden
+        states of the committed positions the cache has not read (m - cache.length of them,
+        at least one). The cache reads them, drafts, then is cut back to the committed
+        positions. `choose(logits over the head's vocabulary) -> draft index`: how a guess is
+        picked (default: greedy)."""
+        m = len(seq) - 1
+        have = cache.length
+        if fresh.shape[0] != m - have or m - have < 1:
+            raise ValueError(f"head cache at {have} of {m} positions, {fresh.shape[0]} new states")
+        dev = self.fc.weight.device
+        ids = torch.tensor([seq[have + 1 : m + 1]], device=dev)
+        logits, pre = self.forward_step(ids, self.fuse(fresh.to(dev))[None], have, cache)
+        tids = self.target_ids
+        out: list[int] = []
+        for j in range(k):
+            scores = logits[0, -1]
+            pick = int(scores.argmax()) if choose is None else choose(scores)
+            out.append(int(tids[pick]))
+            if j + 1 == k:
+                break
+            logits, pre = self.forward_step(
+                torch.tensor([[out[-1]]], device=dev), pre[:, -1:], m + j, cache
+            )
+        cache.crop(m)
+        return out
+
+    # -- training ---------------------------------------------------------------------------
+    def ttt_logits(
+        self, ids: torch.Tensor, aux: torch.Tensor, steps: int, score: bool = True
+    ) -> list[torch.Tensor]:
+        """Training-time test over a batch. ids [B, T]: tokens x_0..x_{T-1}; aux [B, T, 3H]: the
+        target's hidden states after each. Step j's query t reads x_{t+1+j} (the next token,
+        teacher-forced: a guess counts only if the target agrees) and, for j > 0, the head's
+        own step j-1 output at t; it sits at position t+j and attends to step 0's keys at
+        positions <= t plus steps 1..j's keys at t. Returns per step the logits [B, T, V_d]
+        (query t of step j scores the token at position t+j+2; positions whose next token
+        runs past T read a pad and must be masked out by the caller). `score` False: the
+        normed hidden states instead, for the caller to score only the positions it needs."""
+        b, t = ids.shape
+        dev = ids.device
+        nxt = torch.cat([ids[:, 1:], ids[:, -1:].expand(b, steps)], dim=1)  # x_{t+1}, padded
+        base = torch.arange(t, device=dev)[None].expand(b, t)
+        hidden = self.fuse(aux)
+        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+        scale = 1.0 / math.sqrt(self.config.head_dim)
+        keys: list[tuple[torch.Tensor, torch.Tensor]] = []
+        outs = []
+        for j in range(steps):
+            q, k, v, residual = self._qkv(self.embed(nxt[:, j : j + t]), hidden, base + j)
+            k, v = self._expand(k), self._expand(v)
+            if j == 0:
+                k0, v0 = k, v
+                scores = (q @ k0.transpose(-1, -2)) * scale
+                scores = scores.masked_fill(~causal, float("-inf"))
+                attn = scores.softmax(-1) @ v0
+            else:
+                keys.append((k, v))
+                s0 = ((q @ k0.transpose(-1, -2)) * scale).masked_fill(~causal, float("-inf"))
+                diag = torch.stack([(q * ki).sum(-1) * scale for ki, _ in keys], dim=-1)
+                p = torch.cat([s0, diag], dim=-1).softmax(-1)
+                attn = p[..., :t] @ v0
+                for i, (_, vi) in enumerate(keys):
+                    attn = attn + p[..., t + i, None] * vi
+            logits, pre = self._out(attn, residual, score)
+            outs.append(logits)
+            hidden = pre
+        return outs
