@@ -1,12 +1,14 @@
 """The step loop in process (no server): 1 and 8 rows of one arm, the held-out prompts, 48 tokens.
 
-    .venv/bin/python -m benchmarks.loop_arms [--mixed]
+    .venv/bin/python -m benchmarks.loop_arms [--mixed] [--arms 0 ngram:4 eagle:4] [--set k=v ...]
 
 Prints per arm and row count: steps, wall seconds, tokens/s, mean step, and the loop's measured
 step-cost curve ((tokens fed, ms) per size bucket) that the goodput policy predicts with.
 `--mixed`: instead, 16 rows: all plain, against 10 plain + 6 bandit (adaptive) ngram:4 rows that
 the per-step gate holds back, and the same 6 guessing; twice, alternated. Needs a workspace with
-the split (`make demo`, or `python -m pipeline split`).
+the split (`make demo`, or `python -m pipeline split`). `--set models.dtype=float32` (or
+bfloat16) pins the dtype; eagle:K arms need `--set models.head=DIR` (an exported head), draft:K
+arms `--set server.draft=DIR`.
 """
 
 import argparse
@@ -46,12 +48,21 @@ def mixed(pair, prompts) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mixed", action="store_true", help="16 rows: plain, held back, guessing")
+    ap.add_argument("--arms", nargs="+", default=["0", "ngram:2", "ngram:4", "0"])
+    ap.add_argument("--set", action="append", default=[], help="config key=value")
     args = ap.parse_args()
     torch.set_num_threads(2)
     print(hardware())
-    cfg = load_config("configs/default.yaml", [])
+    cfg = load_config("configs/default.yaml", args.set)
     ws = Workspace("artifacts")
-    pair = models.load_pair(cfg, ws, None)
+    arms = [parse_arm(a) for a in args.arms]
+    draft = None
+    if any(a.needs_draft for a in arms):
+        draft = cfg.server.draft if cfg.server.draft not in ("latest", "base") else str(ws.merged)
+    elif any(a.needs_head for a in arms):
+        draft = cfg.models.head
+    pair = models.load_pair(cfg, ws, draft)
+    print(f"dtype {pair.target.dtype}, draft {draft}", flush=True)
     tok = pair.tokenizer
     prompts = [
         models.chat_prompt_ids(tok, [{"role": "user", "content": r["prompt"]}], {})
@@ -60,7 +71,7 @@ def main() -> None:
     if args.mixed:
         mixed(pair, prompts)
         return
-    for arm in ("0", "ngram:2", "ngram:4", "0"):
+    for arm in args.arms:
         for rows in (1, 8):
             b = RowBatch(pair.engine, max_rows=16)
             b.join([(i, prompts[i], 48, parse_arm(arm)) for i in range(rows)])

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .speculative.eagle3 import Eagle3Config, Eagle3Head, config_from_target
+from .speculative.eagle3 import Eagle3Config, Eagle3Head, config_from_target, default_aux_layers
 from .workspace import atomic_write_json, make_temp_dir
 
 log = logging.getLogger(__name__)
@@ -307,7 +307,7 @@ def export(head: Eagle3Head, folder: Path, verifier: str, architectures: list[st
             "verifier": {"name_or_path": verifier, "architectures": list(architectures)},
         },
         "phoenix": {"head": c.to_dict()},
-        "torch_dtype": "float32",
+        "dtype": "float32",
     }
     tmp = make_temp_dir(folder.parent, f".{folder.name}-")
     tensors = {
@@ -316,6 +316,10 @@ def export(head: Eagle3Head, folder: Path, verifier: str, architectures: list[st
     if c.draft_vocab_size == c.vocab_size:  # vLLM refuses the maps with the full vocabulary
         tensors.pop("d2t")
         tensors.pop("t2d")
+    # The target's embeddings, as speculators' own checkpoints carry them: its loader leaves a
+    # missing embed_tokens uninitialised (zeros: silently wrong drafts); vLLM sees it equals
+    # the target's and shares it.
+    tensors["embed_tokens.weight"] = head._embed[0].weight.detach().float().contiguous().cpu()
     save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
     atomic_write_json(tmp / CONFIG_NAME, config)
     if folder.exists():
@@ -335,6 +339,44 @@ def is_eagle3_dir(folder: str | Path) -> bool:
         return False
 
 
+UNSUPPORTED = {
+    "norm_before_residual": True,
+    "norm_before_fc": True,
+    "fc_norm": True,
+    "norm_output": True,
+}  # speculators' variants this head does not implement
+
+
+def config_of(config: dict, target) -> Eagle3Config:
+    """The head's config from an exported `config.json`: Phoenix's own block, else (a head
+    speculators trained) its `transformer_layer_config` and the speculators keys. A variant
+    flag this head does not implement is refused, naming it."""
+    odd = [k for k, v in UNSUPPORTED.items() if bool(config.get(k, False)) == v]
+    if odd:
+        raise ValueError(f"eagle3 variants {odd} (true) are not implemented by Phoenix's head")
+    if "phoenix" in config:
+        return Eagle3Config.from_dict(config["phoenix"]["head"])
+    layer = config["transformer_layer_config"]
+    n = target.config.num_hidden_layers
+    aux = config.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(n)
+    rope = layer.get("rope_parameters") or {}
+    heads = layer["num_attention_heads"]
+    return Eagle3Config(
+        hidden_size=layer["hidden_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=layer.get("num_key_value_heads", heads),
+        head_dim=layer.get("head_dim") or layer["hidden_size"] // heads,
+        intermediate_size=layer["intermediate_size"],
+        rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", layer.get("rope_theta", 10000.0))),
+        vocab_size=layer.get("vocab_size", target.config.vocab_size),
+        draft_vocab_size=config.get("draft_vocab_size") or target.config.vocab_size,
+        aux_layer_ids=tuple(sorted(aux)),
+        max_position_embeddings=layer.get("max_position_embeddings", 4096),
+        target_layers=n,
+    )
+
+
 def load_head(folder: str | Path, target, verifier: str | None = None) -> Eagle3Head:
     """An exported head, on the target's embeddings. `verifier`: the serving target's name;
     a head exported for another verifier is refused, naming both."""
@@ -348,7 +390,7 @@ def load_head(folder: str | Path, target, verifier: str | None = None) -> Eagle3
             f"the eagle3 head {folder} was trained for the verifier {made_for!r}, "
             f"but the target is {verifier!r}"
         )
-    c = Eagle3Config.from_dict(config["phoenix"]["head"])
+    c = config_of(config, target)
     if c.hidden_size != target.config.hidden_size or c.vocab_size != target.config.vocab_size:
         raise ValueError(
             f"the eagle3 head {folder} has hidden {c.hidden_size} / vocab {c.vocab_size}; the "
@@ -356,6 +398,7 @@ def load_head(folder: str | Path, target, verifier: str | None = None) -> Eagle3
         )
     head = Eagle3Head(c, target.get_input_embeddings())
     state = load_file(str(folder / WEIGHTS_NAME))
+    state.pop("embed_tokens.weight", None)  # the target's own serves (the same rows)
     if "d2t" not in state:  # the full vocabulary: identity maps
         state["d2t"] = torch.zeros(c.draft_vocab_size, dtype=torch.long)
         state["t2d"] = torch.ones(c.vocab_size, dtype=torch.bool)

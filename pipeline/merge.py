@@ -180,8 +180,8 @@ def _check_eagle3(cfg: Config, ws: Workspace, prompts: list[list[int]]) -> tuple
     from . import eagle3
 
     trained = ws.adapter / "model"
-    _, tok, target = models.load_target_for_head(cfg, ws)
-    verifier = cfg.teacher.model or cfg.models.target
+    ref, tok, target = models.load_target_for_head(cfg, ws)
+    verifier = models.verifier_name(cfg, ref)
     expected = eagle3.head_logits(eagle3.load_head(trained, target, verifier), target, prompts)
     tmp = make_temp_dir(ws.root, ".merged.")
     try:

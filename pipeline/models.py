@@ -558,13 +558,13 @@ def load_pair(
             )
         draft_ref = resolve(draft, ws.models_cache, target_ref=target_ref)
         if _is_eagle3(draft_ref):  # an EAGLE-3 head: the eagle:K arms, no draft model
-            head, draft_model = load_head(cfg, draft_ref, target), None
+            head, draft_model = load_head(cfg, draft_ref, target, target_ref), None
         else:
             draft_model = load_model(draft_ref, dtype, device)
     else:
         draft_ref, draft_model = None, None
     if head is None and m.head and draft and draft != SELF:  # a head beside the draft model
-        head = load_head(cfg, resolve(m.head, ws.models_cache), target)
+        head = load_head(cfg, resolve(m.head, ws.models_cache), target, target_ref)
     eos = eos_ids(tok, target)
     subset = None
     if draft_model is not None and draft_ref != SELF and not full_head:
@@ -606,7 +606,14 @@ def load_target_for_head(cfg, ws):
     return ref, load_tokenizer(ref), target
 
 
-def load_head(cfg, ref: str, target):
+def verifier_name(cfg, target_ref: str) -> str:
+    """What an EAGLE-3 head records as its verifier (speculators' `verifier.name_or_path`): the
+    target's Hub id where it has one (an embedded target's too), else its local directory, so
+    speculators and vLLM can resolve it; a head is served only beside the target it names."""
+    return hub_id_of(cfg.models.target) or str(target_ref)
+
+
+def load_head(cfg, ref: str, target, target_ref: str):
     """An exported EAGLE-3 head over the loaded target; a ConfigError naming both verifiers
     when it was trained for another target."""
     from . import eagle3
@@ -614,7 +621,7 @@ def load_head(cfg, ref: str, target):
     if not _is_eagle3(ref):
         raise ConfigError(f"models.head={ref} is not an EAGLE-3 head (speculators eagle3 layout)")
     try:
-        head = eagle3.load_head(ref, target, cfg.teacher.model or cfg.models.target)
+        head = eagle3.load_head(ref, target, verifier_name(cfg, target_ref))
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     log.info("eagle3 head %s: layers %s, %d-token vocabulary", ref,

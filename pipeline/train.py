@@ -436,7 +436,7 @@ def _train_eagle3(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict)
                 head, data, total / per_epoch, t.learning_rate, t.batch_size, t.ttt_steps,
                 seed=t.seed, on_step=on_step,
             )  # fmt: skip
-        eagle3.export(head, tmp / "head", cfg.teacher.model or cfg.models.target,
+        eagle3.export(head, tmp / "head", models.verifier_name(cfg, ref),
                list(target.config.architectures or []))  # fmt: skip
         for name in (eagle3.CONFIG_NAME, eagle3.WEIGHTS_NAME):
             (tmp / "head" / name).replace(tmp / name)

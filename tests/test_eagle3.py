@@ -96,7 +96,10 @@ def test_export_is_the_speculators_layout_and_loads_back_identically(target, tmp
         assert f.get_tensor("t2d").dtype == torch.bool
     assert {"fc.weight", "layers.0.hidden_norm.weight", "layers.0.self_attn.q_proj.weight",
             "norm.weight", "lm_head.weight", "d2t", "t2d"} <= names  # fmt: skip
-    assert not any(n.startswith("embed") for n in names)  # the target's, shared
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        # The target's own rows: speculators' loader would leave a missing one zeros.
+        embed = f.get_tensor("embed_tokens.weight")
+    assert torch.equal(embed, target.get_input_embeddings().weight.float())
     back = eagle3.load_head(out, target, "tiny-target")
     assert back.target_ids.tolist() == vocab
     seq = [7 + i for i in range(16)]
@@ -106,6 +109,18 @@ def test_export_is_the_speculators_layout_and_loads_back_identically(target, tmp
     )
     with pytest.raises(ValueError, match="tiny-target.*other-target"):
         eagle3.load_head(out, target, "other-target")
+    # A head speculators itself saved has no `phoenix` block: read from its own keys.
+    del cfg["phoenix"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    plain = eagle3.load_head(out, target)
+    assert plain.config.aux_layer_ids == head.config.aux_layer_ids
+    assert plain.propose(seq, aux[:15], HeadCache(), 3) == head.propose(
+        seq, aux[:15], HeadCache(), 3
+    )
+    # A variant Phoenix's head does not implement is refused, not silently run without it.
+    (out / "config.json").write_text(json.dumps({**cfg, "norm_before_residual": True}))
+    with pytest.raises(ValueError, match="norm_before_residual"):
+        eagle3.load_head(out, target)
 
 
 def test_full_vocabulary_export_has_no_maps(target, tmp_path):
