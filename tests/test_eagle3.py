@@ -277,3 +277,25 @@ def test_the_step_loop_feeds_the_head_the_states_a_full_forward_gives(
         m += a + 1
     assert guesses[: len(replayed)] == replayed
     assert row.accepted > 0  # the trained head's guesses land
+
+
+def test_a_new_head_between_steps_lets_running_eagle_rows_finish_plain_and_exact(
+    tiny_models, trained_head
+):
+    from pipeline.speculative.arms import parse_arm
+    from pipeline.speculative.batch import RowBatch
+    from pipeline.speculative.engine import SpeculativeEngine
+
+    tok, target, _ = tiny_models
+    eng = SpeculativeEngine(target, None, [tok.eos_token_id], head=trained_head)
+    prompt = models.user_prompt_ids(tok, "Write a function number 5.")
+    batch = RowBatch(eng, max_rows=2)
+    (row,) = batch.join([("a", prompt, 16, parse_arm("eagle:3"))])
+    batch.step()
+    guessed = row.proposed
+    other = eagle3.new_head(target, list(range(target.config.vocab_size)), None).eval()
+    batch.set_engine(SpeculativeEngine(target, None, [tok.eos_token_id], head=other))
+    while batch.rows:
+        batch.step()
+    assert guessed > 0 and row.proposed == guessed  # no guess after the swap
+    assert row.out == eng.generate(prompt, 0, 16).token_ids

@@ -222,9 +222,14 @@ class RowBatch:
 
     def set_engine(self, engine: SpeculativeEngine) -> None:
         """A new draft over the same target, from the next step on: its cache starts empty and
-        every draft row catches up on its next proposal (its output stays exact)."""
+        every draft row catches up on its next proposal (its output stays exact). A new EAGLE-3
+        head: the eagle rows running stop guessing (the states they fed the old head are gone;
+        they finish plain, exact), new ones use it."""
         if engine.target is not self.engine.target:
             raise ValueError("set_engine: another target (only the draft may change)")
+        if engine.head is not self.engine.head:
+            for r in self.rows:
+                r.hcache, r.aux_new = None, []
         self.engine = engine
         self.epoch += 1
         self._dcache = None
