@@ -205,7 +205,9 @@ def main() -> None:
                 head, data, args.epochs, args.lr, args.batch_size, args.ttt, on_step=on_step
             )
             print(flush=True)
-            eagle3.export(head, export_dir, cfg.models.target, list(target.config.architectures))
+            eagle3.export(
+                head, export_dir, models.verifier_name(cfg, tref), list(target.config.architectures)
+            )
             meta = {
                 **fit,
                 "states_s": states_s,
@@ -218,7 +220,9 @@ def main() -> None:
                 "aux": list(aux_ids),
             }
             (out / "train.json").write_text(json.dumps(meta, indent=1))
-            head = eagle3.load_head(export_dir, target, cfg.models.target)  # what vLLM gets
+            head = eagle3.load_head(
+                export_dir, target, models.verifier_name(cfg, tref)
+            )  # what vLLM gets
         aux_ids = head.config.aux_layer_ids
         m = replay(head, target, pair.engine, test, args.k, args.tokens, aux_ids)
         with torch.no_grad():
