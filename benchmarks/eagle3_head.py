@@ -65,6 +65,18 @@ def head_ms(head, prompt: list[int], aux: torch.Tensor, steps: int = 30) -> floa
     return 1000 * times[len(times) // 2]
 
 
+def figures(acc: int, prop: int, rounds: int, pos_acc: list, pos_prop: list) -> dict:
+    """Acceptance, tokens per target pass ((accepted + rounds) / rounds) and per position."""
+    return {
+        "acceptance": acc / prop if prop else None,
+        "accepted": acc,
+        "proposed": prop,
+        "rounds": rounds,
+        "tokens_per_pass": (acc + rounds) / rounds if rounds else None,
+        "per_position": [a / n if n else None for a, n in zip(pos_acc, pos_prop, strict=True)],
+    }
+
+
 def replay(head, target, eng, prompts: list[list[int]], k: int, tokens: int, aux_ids) -> dict:
     acc = prop = rounds = out_tokens = 0
     pos_acc, pos_prop = [0] * k, [0] * k
@@ -88,15 +100,7 @@ def replay(head, target, eng, prompts: list[list[int]], k: int, tokens: int, aux
             acc, prop, rounds = acc + a, prop + kk, rounds + 1
             m += a + 1
         out_tokens += len(y)
-    return {
-        "acceptance": acc / prop if prop else None,
-        "accepted": acc,
-        "proposed": prop,
-        "rounds": rounds,
-        "tokens_per_pass": (acc + rounds) / rounds if rounds else None,
-        "per_position": [a / n if n else None for a, n in zip(pos_acc, pos_prop, strict=True)],
-        "output_tokens": out_tokens,
-    }
+    return {**figures(acc, prop, rounds, pos_acc, pos_prop), "output_tokens": out_tokens}
 
 
 def engine_row(eng, prompts, k, tokens) -> dict:
@@ -110,14 +114,7 @@ def engine_row(eng, prompts, k, tokens) -> dict:
         ):
             pos_acc[i] += a
             pos_prop[i] += n
-    return {
-        "acceptance": acc / prop if prop else None,
-        "accepted": acc,
-        "proposed": prop,
-        "rounds": rounds,
-        "tokens_per_pass": (acc + rounds) / rounds if rounds else None,
-        "per_position": [a / n if n else None for a, n in zip(pos_acc, pos_prop, strict=True)],
-    }
+    return figures(acc, prop, rounds, pos_acc, pos_prop)
 
 
 def table(rows: list[dict], k: int) -> str:

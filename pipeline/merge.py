@@ -118,10 +118,7 @@ def run(cfg: Config, ws: Workspace, push: bool = True) -> dict[str, Any]:
             if (tmp / "model.safetensors").exists()
             else None,
         }
-        (tmp / "README.md").write_text(model_card(cfg, ws, metrics, info))
-        (tmp / "phoenix.json").write_text(json.dumps(info, indent=2) + "\n")
-        (tmp / "phoenix-config.yaml").write_text(dump_config(cfg))
-        _replace_dir(tmp, ws.merged)
+        _finish_dir(cfg, ws, metrics, info, tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -157,10 +154,7 @@ def _merge_eagle3(cfg: Config, ws: Workspace, metrics: dict, push: bool) -> dict
             "weights_sha256": sha256_file(tmp / "model.safetensors"),
             "vllm_command": eagle3.vllm_command(cfg.models.target, "<this directory>"),
         }
-        (tmp / "README.md").write_text(model_card(cfg, ws, metrics, info))
-        (tmp / "phoenix.json").write_text(json.dumps(info, indent=2) + "\n")
-        (tmp / "phoenix-config.yaml").write_text(dump_config(cfg))
-        _replace_dir(tmp, ws.merged)
+        _finish_dir(cfg, ws, metrics, info, tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -199,6 +193,14 @@ def _check_eagle3(cfg: Config, ws: Workspace, prompts: list[list[int]]) -> tuple
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return tmp, {"verify_max_logit_diff": diff, "verify_prompts": len(prompts)}
+
+
+def _finish_dir(cfg: Config, ws: Workspace, metrics: dict, info: dict, tmp: Path) -> None:
+    """The model card, the merge record and the config beside the weights; then into place."""
+    (tmp / "README.md").write_text(model_card(cfg, ws, metrics, info))
+    (tmp / "phoenix.json").write_text(json.dumps(info, indent=2) + "\n")
+    (tmp / "phoenix-config.yaml").write_text(dump_config(cfg))
+    _replace_dir(tmp, ws.merged)
 
 
 def _replace_dir(new: Path, final: Path) -> None:

@@ -166,6 +166,14 @@ def run(cfg: Config, ws: Workspace, force: bool = False) -> dict[str, Any]:
     return _train(cfg, ws, answers, inputs)
 
 
+def _install_model(ws: Workspace, tmp: Path) -> None:
+    """A finished model directory into <ws>/adapter/model, replacing an earlier one."""
+    final = ws.adapter / "model"
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+
+
 def pad_id(tok) -> int:
     """The id batches are padded with (end-of-text where a tokenizer has no pad token)."""
     return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -347,10 +355,7 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    final = ws.adapter / "model"
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
+    _install_model(ws, tmp)
     matches = [h["teacher_match"] for h in history if "teacher_match" in h]
     metrics = {
         "method": t.method,
@@ -445,10 +450,7 @@ def _train_eagle3(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    final = ws.adapter / "model"
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
+    _install_model(ws, tmp)
     atomic_write_jsonl(ws.adapter / "train_log.jsonl", history)
     metrics = {
         "method": "eagle3",
