@@ -87,6 +87,10 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
     if not ws.test_file.exists():
         raise InputError(f"{ws.test_file} is missing: run the split stage first (make split)")
     drafts = drafts or list(cfg.bench.drafts)
+    if cfg.models.draft.strip() == "eagle3" and "base" in drafts:
+        # A head is trained from scratch: there is no base one to measure against.
+        drafts = [d for d in drafts if d != "base"] or ["distilled"]
+        log.info("models.draft=eagle3: no base head to bench; benching %s", ", ".join(drafts))
     if "distilled" in drafts and not (ws.merged / "config.json").is_file():
         raise InputError(
             f"no distilled draft at {ws.merged}: run train and merge first, or bench with --draft base"

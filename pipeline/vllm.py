@@ -117,14 +117,17 @@ def vllm_python(cfg: Config) -> str:
 def speculative_config(
     method: str | None, draft_dir: str | None, k: int, schedule: list[list[int]] | None = None
 ) -> dict | None:
-    """vLLM's --speculative-config: None (no speculation), the draft model or prompt lookup
-    (n = 1..3, as Phoenix's) at k; with a batch-size schedule, k is its largest."""
+    """vLLM's --speculative-config: None (no speculation), the draft model, an EAGLE-3 head
+    (method eagle3, an exported head's directory) or prompt lookup (n = 1..3, as Phoenix's)
+    at k; with a batch-size schedule, k is its largest."""
     if method is None or k == 0:
         return None
     spec: dict[str, Any]
     if method == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3,
                 "prompt_lookup_min": 1}  # fmt: skip
+    elif method == "eagle3":
+        spec = {"method": "eagle3", "model": draft_dir, "num_speculative_tokens": k}
     else:
         spec = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": k}
     if schedule:
@@ -278,6 +281,14 @@ def load_schedule(ws: Workspace, draft: str) -> dict | None:
 METHODS = {"draft": "draft_model", "ngram": "ngram"}  # arm strategy -> vLLM's method
 
 
+def method_for(strategy: str | None, draft: str | None) -> str | None:
+    """vLLM's method for an arm strategy: the served draft's kind decides between a draft
+    model (draft_model) and an exported EAGLE-3 head (eagle3)."""
+    if strategy == "draft" and draft is not None and models.is_eagle3(draft):
+        return "eagle3"
+    return METHODS.get(strategy) if strategy else None
+
+
 def choose_method(
     table: dict[str, dict[int, dict[int, float]]], margin: float = 0.0
 ) -> tuple[str, list[list[int]]]:
@@ -304,7 +315,8 @@ def tune(cfg: Config, ws: Workspace) -> dict[str, Any]:
     prompts = loadtest.held_out_prompts(ws)
     out_dir = ws.root / "vllm"
     arms = [("0", None, 0)]
-    arms += [(f"draft:{k}", "draft", k) for k in v.tune_ks if k]
+    kind = "eagle" if method_for("draft", draft) == "eagle3" else "draft"
+    arms += [(f"{kind}:{k}", "draft", k) for k in v.tune_ks if k]
     arms += [(f"ngram:{k}", "ngram", k) for k in v.tune_ngram_ks]
     results: dict[str, Any] = {"draft": served.describe(), "target": cfg.models.target,
                                "concurrency": v.tune_concurrency, "arms": {}}  # fmt: skip
@@ -314,8 +326,9 @@ def tune(cfg: Config, ws: Workspace) -> dict[str, Any]:
         return measure(cfg, target, spec, log_path, prompts, label)
 
     for label, strategy, k in arms:
-        method = METHODS.get(strategy)
-        results["arms"][label] = sweep(label, speculative_config(method, draft, k))
+        results["arms"][label] = sweep(
+            label, speculative_config(method_for(strategy, draft), draft, k)
+        )
         atomic_write_json(out_dir / "tune.json", results)  # each arm kept as it finishes
 
     def tps(label: str) -> dict[int, float]:
@@ -329,7 +342,9 @@ def tune(cfg: Config, ws: Workspace) -> dict[str, Any]:
     strategy, schedule = choose_method(table, v.tune_margin) if table else ("draft", [[1, 1024, 0]])
     spec = None
     if any(r[2] for r in schedule):
-        spec = speculative_config(METHODS[strategy], draft, max(r[2] for r in schedule), schedule)
+        spec = speculative_config(
+            method_for(strategy, draft), draft, max(r[2] for r in schedule), schedule
+        )
     results["schedule"] = {"strategy": strategy, "ranges": schedule}
     results["arms"]["schedule"] = sweep("schedule", spec)
     results["verdict"] = schedule_verdict(results)
@@ -490,7 +505,7 @@ def serve(cfg: Config, ws: Workspace, host: str | None, port: int | None, mode: 
             spec = learned["speculative_config"]
             log.info("vllm: the learned schedule %s (%s)", learned["schedule"], schedule_file(ws))
         else:
-            spec = speculative_config("draft_model", draft, cfg.vllm.k)
+            spec = speculative_config(method_for("draft", draft), draft, cfg.vllm.k)
             log.info("vllm: no learned schedule for this draft: a fixed k=%d", cfg.vllm.k)
     server = VllmServer(cfg, target_dir(cfg, ws), spec, ws.root / "vllm" / "serve.log",
                         host or cfg.server.host, cfg.server.port if port is None else port)  # fmt: skip

@@ -206,3 +206,28 @@ def test_lock_is_exclusive_across_processes_and_reentrant_within_one(tmp_path):
         other.wait()
     with workspace_lock(lock, "train"):  # its holder is gone: cleared and taken
         assert json.loads(lock.read_text())["pid"] == os.getpid()
+
+
+def test_the_qwen3_pair_trains_merges_and_serves_an_eagle3_head(tmp_path, cli, rt):
+    """configs/qwen3-eagle3.yaml's path in miniature: the tiny Qwen3 target (q/k norms, tied
+    embeddings, thinking off) gets an EAGLE-3 head from a remote teacher's answers; merge
+    exports it for vLLM naming Qwen3's architecture; the bench serves it, lossless."""
+    from tests.conftest import MBPP
+
+    if not MBPP.is_file():
+        pytest.skip("MBPP not present")
+    art = ["--artifacts", tmp_path / "art", *rt, "--set", "models.draft=eagle3"]
+    art += ["--set", "train.method=full", "--set", "train.ttt_steps=2", "--set", "train.epochs=1"]
+    for stage in ("split", "distill", "train", "merge"):
+        r = cli(stage, *art)
+        assert r.returncode == 0, (stage, r.log[-2000:])
+    merged = tmp_path / "art" / "merged"
+    cfg = json.loads((merged / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3"
+    assert cfg["speculators_config"]["verifier"]["architectures"] == ["Qwen3ForCausalLM"]
+    r = cli("bench", *art, "--set", "bench.fixed_arms=[eagle:2]",
+            "--set", "bandit.arms=[0,eagle:2]")  # fmt: skip
+    assert r.returncode == 0, r.log[-2000:]
+    results = json.loads((tmp_path / "art" / "bench" / "results.json").read_text())
+    assert results["lossless"] is True
+    assert any(q["mode"] == "eagle_2" and q["proposed"] for q in results["requests"])

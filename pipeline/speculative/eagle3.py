@@ -65,9 +65,14 @@ class Eagle3Config:
 
 
 def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's low/middle/high depths as vLLM picks them: 2, L // 2, L - 3 (clamped to the
-    layers there are), ascending."""
-    return tuple(sorted((min(2, n_layers - 1), n_layers // 2, max(0, n_layers - 3))))
+    """EAGLE-3's low/middle/high depths as vLLM picks them: 2, L // 2, L - 3, ascending. vLLM
+    taps each layer once, so where those coincide (a target of under 7 layers) the first,
+    middle and last layer instead; a target of under 3 layers repeats one (a head only Phoenix
+    serves: merge says so)."""
+    low, mid, high = min(2, n_layers - 1), n_layers // 2, max(0, n_layers - 3)
+    if len({low, mid, high}) < 3 and n_layers >= 3:
+        low, high = 0, n_layers - 1
+    return tuple(sorted((low, mid, high)))
 
 
 def rope_theta_of(cfg) -> float:
