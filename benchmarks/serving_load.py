@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.serving_load [--config configs/default.yaml]
         [--artifacts artifacts] [--clients 1 2 4 8 16] [--requests 32] [--tokens 48]
-        [--modes target fixed:4 ngram:4 bandit] [--rounds 4] [--vllm 0 draft:2 ngram:4]
+        [--modes target fixed:4 ngram:4 bandit] [--rounds 4] [--vllm 0 draft:2 ngram:4 eagle:3]
         [--set KEY=VALUE]
 
 Needs `make demo` (or split, distill, train, merge) for the held-out prompts and the merged draft;
@@ -114,10 +114,14 @@ def vllm_sweep(args, cfg, ws) -> dict:
     served = resolve_served(cfg, ws)
     target, draft = vllm.target_dir(cfg, ws), vllm.draft_dir(cfg, ws, served)
     out = {}
+    head = cfg.models.head  # eagle:K: the EAGLE-3 head beside the draft (models.head)
     for arm in args.vllm:
         strategy, _, k = arm.partition(":")
-        method = vllm.METHODS.get(strategy) if k else None
-        spec = vllm.speculative_config(method, draft, int(k or 0))
+        if strategy == "eagle" and not head:
+            raise SystemExit("--vllm eagle:K serves models.head: set it (--set models.head=DIR)")
+        proposer = head if strategy == "eagle" else draft
+        method = vllm.method_for("draft" if strategy == "eagle" else strategy, proposer)
+        spec = vllm.speculative_config(method if k else None, proposer, int(k or 0))
         log_path = ws.root / "perf" / f"vllm-{arm.replace(':', '_')}.log"
         with vllm.VllmServer(cfg, target, spec, log_path) as srv:
             ep = loadtest.Endpoint(srv.url)
@@ -232,7 +236,12 @@ def main() -> None:
                     help="interleave the modes of a concurrency in this many rounds (A B, B A, ...; "
                          "at most requests / clients)")  # fmt: skip
     ap.add_argument("--modes", nargs="+", default=["target", "fixed:4", "ngram:4", "bandit"])
-    ap.add_argument("--vllm", nargs="*", default=[], help="vLLM arms: 0, draft:K, ngram:K")
+    ap.add_argument(
+        "--vllm",
+        nargs="*",
+        default=[],
+        help="vLLM arms: 0, draft:K, ngram:K, eagle:K (models.head)",
+    )
     ap.add_argument("--set", action="append", default=[], help="config override for the server")
     ap.add_argument("--url", help="measure this running Phoenix server instead of starting one")
     ap.add_argument("--temperature", type=float, default=0.0,
