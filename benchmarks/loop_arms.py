@@ -1,6 +1,6 @@
 """The step loop in process (no server): 1 and 8 rows of one arm, the held-out prompts, 48 tokens.
 
-    .venv/bin/python -m benchmarks.loop_arms [--mixed] [--arms 0 ngram:4 eagle:4] [--set k=v ...]
+    .venv/bin/python -m benchmarks.loop_arms [--mixed | --grid] [--arms 0 ngram:4 eagle:4] [--set k=v ...]
 
 Prints per arm and row count: steps, wall seconds, tokens/s, mean step, and the loop's measured
 step-cost curve ((tokens fed, ms) per size bucket) that the goodput policy predicts with.
@@ -45,10 +45,43 @@ def mixed(pair, prompts) -> None:
             print(f"{name}: {run(arms, gate):.1f} tok/s", flush=True)
 
 
+def grid(pair, prompts, arm: str) -> None:
+    """A step's time against rows and tokens fed: n rows (1, 2, 4, 8, 16), of which g guess
+    with `arm` (0, 1, n/2, n) and the rest are plain; the median step (draft passes excepted,
+    as StepCost times it) per cell. Whether the time is a function of tokens fed alone (what
+    one curve assumes) or of rows too."""
+    from statistics import median
+
+    print("rows guessing fed_mean step_ms(median) steps", flush=True)
+    for n in (1, 2, 4, 8, 16):
+        for g in sorted({0, 1, n // 2, n}):
+            b = RowBatch(pair.engine, max_rows=16)
+            b.join([(i, prompts[i], 48, parse_arm(arm if i < g else "0")) for i in range(n)])
+            seen: list[tuple[int, int, float]] = []
+
+            def observe(fed, sec, b=b, seen=seen, inner=b.cost.observe):
+                seen.append((len(b.rows), fed, sec))
+                inner(fed, sec)
+
+            b.cost.observe = observe
+            while b.rows:
+                b.step()
+            full = [(f, s) for rows, f, s in seen if rows == n][2:]  # all rows present
+            if full:
+                fed = sum(f for f, _ in full) / len(full)
+                ms = 1000 * median(s for _, s in full)
+                print(f"{n} {g} {fed:.1f} {ms:.1f} {len(full)}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mixed", action="store_true", help="16 rows: plain, held back, guessing")
     ap.add_argument("--arms", nargs="+", default=["0", "ngram:2", "ngram:4", "0"])
+    ap.add_argument(
+        "--grid",
+        action="store_true",
+        help="step time against rows and tokens fed, the first of --arms guessing",
+    )
     ap.add_argument("--set", action="append", default=[], help="config key=value")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -70,6 +103,9 @@ def main() -> None:
     ]
     if args.mixed:
         mixed(pair, prompts)
+        return
+    if args.grid:
+        grid(pair, prompts, args.arms[0])
         return
     for arm in args.arms:
         for rows in (1, 8):

@@ -209,6 +209,33 @@ def test_step_cost_curve_is_the_mean_time_per_size_bucket():
     assert cost.curve()[0][1] == pytest.approx(0.2, rel=0.01)
 
 
+def test_step_cost_per_row_count_prices_a_guess_by_the_load_it_was_measured_at():
+    """The grid of `benchmarks/loop_arms.py --grid` (Intel Xeon, bf16, ms): tokens fed alone do
+    not fix a step's time. At 16 rows one guessing row's 4 guesses cost 8.5 ms; the all-rows
+    curve, whose 20-token bucket mixes 4 rows that all guessed with them, prices them lower.
+    Per row count the curve has both; at a load not measured it borrows the all-rows curve's
+    increments (optimistic: that load gets tried, then measured)."""
+    from pipeline.speculative.bandit import step_seconds
+
+    cost = StepCost()
+    for rows, fed, ms in [(1, 1, 26.4), (1, 5, 29.6), (4, 4, 29.1), (4, 20, 42.2),
+                          (16, 16, 41.9), (16, 20, 50.4)]:  # fmt: skip
+        for _ in range(3):
+            cost.observe(fed, ms / 1000, rows)
+    every, at16, at4 = cost.curve(), cost.curve(16), cost.curve(4)
+    assert 1000 * (step_seconds(at16, 20) - step_seconds(at16, 16)) == pytest.approx(8.5)
+    assert 1000 * (step_seconds(every, 20) - step_seconds(every, 16)) < 8.5 * 0.8  # mixed
+    assert 1000 * step_seconds(at4, 8) == pytest.approx(29.1 + 13.1 * 4 / 16)
+    # 8 rows never measured: the all-rows curve. 2 rows measured plain only: its own point,
+    # then the all-rows curve's increments from there.
+    assert cost.curve(8) == every
+    cost.observe(2, 0.027, 2)
+    at2, every = cost.curve(2), cost.curve()
+    assert at2[0] == pytest.approx((2, 0.027))
+    step = step_seconds(every, 5) - step_seconds(every, 2)
+    assert step_seconds(at2, 5) == pytest.approx(0.027 + step)
+
+
 def test_the_step_curve_times_the_whole_step_less_draft_passes_and_callbacks(engine):
     """The policy's curve is the step's time but its draft passes (priced apart) and the
     caller's per-token callbacks; the rows' charges sum to what was timed (no draft rows

@@ -126,7 +126,7 @@ class ServingCore:
             prompt_tokens=prompt_tokens,
             queue_depth=others,
             rows=rows,
-            step_cost=batch.cost.curve() if batch.cost.seen else None,
+            step_cost=batch.cost.curve(rows) if batch.cost.seen else None,
             draft_cost=batch.draft_cost.curve() if batch.draft_cost.seen else None,
             draft_rows=sum(1 for r in running if r.dslot is not None),
             head_cost=batch.head_cost.curve() if batch.head_cost.seen else None,
@@ -142,7 +142,7 @@ class ServingCore:
             return [True] * len(rows)
         draft = batch.draft_cost.curve() if batch.draft_cost.seen else None
         head = batch.head_cost.curve() if batch.head_cost.seen else None
-        return self.policy.may_guess(rows, batch.cost.curve(), draft, head)
+        return self.policy.may_guess(rows, batch.cost.curve(len(rows)), draft, head)
 
     def submit(self, req: Request) -> None:
         """Hand one request to the loop (does not block): `req.future` gets its CoreResult."""
@@ -194,7 +194,7 @@ class ServingCore:
             stale = arm.needs_draft and job.epoch != self.draft_epoch
             if decision is not None and not cancelled and not stale:
                 # The drift guard compares with plain at this load by the step costs measured now.
-                cost = self.scheduler.batch.cost.curve()
+                cost = self.scheduler.batch.cost.curve(context.rows)
                 out.guard_event = self.policy.reward(decision, out, context, cost)
             req.future.set_result(out)
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .arms import Arm
+from .bandit import step_seconds
 from .eagle3 import HeadCache
 from .engine import GenerationResult, SpeculativeEngine
 from .proposers import NgramProposer
@@ -58,7 +59,16 @@ class StepCost:
     size bucket (`BUCKETS`), which the policy reads as a piecewise-linear curve (on a CPU a
     pass costs about the same from 1 to a few tokens, then grows with every token: one line
     through both regimes is wrong at both ends); and `coefficients()`, a least-squares line
-    a + b * n over every step, which splits a step among its rows (`shares`)."""
+    a + b * n over every step, which splits a step among its rows (`shares`).
+
+    `curve(rows)`: the same, for steps of that many rows (bucketed). A step's time is not a
+    function of tokens fed alone: measured on the embedded default (Intel Xeon, bf16,
+    `benchmarks/loop_arms.py --grid`), 19.6 tokens cost 42 ms as 4 rows that all guess and
+    50 ms as 16 rows of which one guesses (attention lays every row out to the longest feed),
+    and one curve over every load priced one guessing row beside 15 plain ones at the cheap
+    figure. Past the largest size measured at that many rows, the curve goes on with the
+    all-rows curve's increments: an optimistic guess, so a load where nobody guessed yet is
+    tried, measured, and from then on priced by what it measured."""
 
     BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
     BUCKET_DECAY = 0.9  # a bucket follows its own recent steps (the machine's load changes)
@@ -68,26 +78,48 @@ class StepCost:
         self.decay = decay
         self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
         self.buckets: dict[int, list[float]] = {}  # bucket -> [weight, weight * n, weight * s]
+        self.by_rows: dict[int, dict[int, list[float]]] = {}  # rows bucket -> the same
 
-    def observe(self, n: int, seconds: float) -> None:
+    @classmethod
+    def bucket(cls, n: float) -> int:
+        return cls.BUCKETS[max(0, bisect.bisect_right(cls.BUCKETS, n) - 1)]  # the last: open
+
+    def observe(self, n: int, seconds: float, rows: int | None = None) -> None:
         d = self.decay
         self.sw = d * self.sw + 1
         self.sx = d * self.sx + n
         self.sy = d * self.sy + seconds
         self.sxx = d * self.sxx + n * n
         self.sxy = d * self.sxy + n * seconds
-        key = self.BUCKETS[max(0, bisect.bisect_right(self.BUCKETS, n) - 1)]  # the last: open
-        w = self.buckets.setdefault(key, [0.0, 0.0, 0.0])
+        keys = [(self.buckets, self.bucket(n))]
+        if rows is not None:  # by exact size up to 64: a row's few guesses are a point apart
+            table = self.by_rows.setdefault(self.bucket(rows), {})
+            keys.append((table, int(n) if n <= 64 else self.bucket(n)))
         k = self.BUCKET_DECAY
-        w[0], w[1], w[2] = k * w[0] + 1, k * w[1] + n, k * w[2] + seconds
+        for table, key in keys:
+            w = table.setdefault(key, [0.0, 0.0, 0.0])
+            w[0], w[1], w[2] = k * w[0] + 1, k * w[1] + n, k * w[2] + seconds
 
     @property
     def seen(self) -> bool:
         return self.sw > 0
 
-    def curve(self) -> tuple[tuple[float, float], ...]:
-        """The measured (n, seconds) points, ascending in n: each bucket's weighted means."""
-        return tuple((w[1] / w[0], w[2] / w[0]) for _, w in sorted(self.buckets.items()))
+    @staticmethod
+    def _points(table: dict[int, list[float]]) -> tuple[tuple[float, float], ...]:
+        return tuple((w[1] / w[0], w[2] / w[0]) for _, w in sorted(table.items()))
+
+    def curve(self, rows: int | None = None) -> tuple[tuple[float, float], ...]:
+        """The measured (n, seconds) points, ascending in n: each bucket's weighted means; with
+        `rows`, those of steps of that many rows, continued past the largest by the all-rows
+        curve's increments (class docstring). No steps of that many rows: the all-rows curve."""
+        every = self._points(self.buckets)
+        own = self._points(self.by_rows.get(self.bucket(rows), {})) if rows else ()
+        if not own:
+            return every
+        x0, y0 = own[-1]
+        base = step_seconds(every, x0)
+        beyond = [(x, y0 + max(0.0, step_seconds(every, x) - base)) for x, _ in every if x > x0]
+        return own + tuple(beyond)
 
     def coefficients(self) -> tuple[float, float]:
         """(a, b). Until the steps seen vary in size: their mean time as a, b = 0."""
@@ -439,7 +471,7 @@ class RowBatch:
         # The whole step but the draft passes (priced apart) and the caller's callbacks (text
         # work per committed token, whatever the arm): what a token fed costs every row.
         step_s = time.perf_counter() - t0 - drafting_s - callbacks_s
-        self.cost.observe(sum(fed), step_s)
+        self.cost.observe(sum(fed), step_s, len(rows))
         rest = max(0.0, step_s - sum(owns))
         for r, share, own in zip(rows, shares, owns, strict=True):
             r.cost_s += rest * share + own
