@@ -109,6 +109,18 @@ def phoenix_sweep(args, cfg, ws) -> dict:
     return {"ready_s": ready_s, "modes": modes}
 
 
+def served_dtype(log_path: Path, cfg) -> str:
+    """The Phoenix server's dtype as its log states it (`models.dtype: auto`: what the probe
+    chose), else the config's."""
+    import re
+
+    try:
+        found = re.findall(r"models\.dtype=auto: (\w+) on this CPU", log_path.read_text())
+    except OSError:
+        found = []
+    return f"{found[-1]} (auto)" if found else cfg.models.dtype
+
+
 def vllm_sweep(args, cfg, ws) -> dict:
     prompts = loadtest.held_out_prompts(ws)
     served = resolve_served(cfg, ws)
@@ -192,6 +204,15 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def guessing(p: dict) -> str:
+    """The bandit's guessing requests at a point: the mean rows of the batch they joined, and
+    the share of their steps the per-step gate let them guess."""
+    rows, share = p.get("guessing_joined_rows"), p.get("guessing_steps_share")
+    if rows is None:
+        return "-"
+    return f"{rows:.1f} rows, {share:.0%}" if share is not None else f"{rows:.1f} rows"
+
+
 def markdown(results: dict) -> str:
     env = results["environment"]
     out = [f"# Serving under load\n\n{header(env)}\n",
@@ -203,7 +224,7 @@ def markdown(results: dict) -> str:
            + (f"at {results['url']} (already running)" if results.get("url") else
               f"ready after {results['phoenix']['ready_s']:.0f} s") + ".\n"]  # fmt: skip
     head = ["engine", "mode", "clients", "tok/s", "p50 s", "p95 s", "TTFT p50 s", "acceptance",
-            "arms", "speculated because"]  # fmt: skip
+            "arms", "speculated because", "guessing rows: joined at, steps guessed"]  # fmt: skip
     rows = []
     engines = [("phoenix", results["phoenix"]["modes"])]
     if "vllm" in results:
@@ -219,7 +240,8 @@ def markdown(results: dict) -> str:
                              "-" if acc is None else f"{acc:.3f}",
                              ", ".join(f"{a}: {n}" for a, n in p.get("arms", {}).items()) or "-",
                              ", ".join(f"{a}: {n}" for a, n in
-                                       p.get("speculated_because", {}).items()) or "-"])  # fmt: skip
+                                       p.get("speculated_because", {}).items()) or "-",
+                             guessing(p)])  # fmt: skip
     out += table(head, rows)
     out += ["", "Against the goals:", "", *results["verdict"], ""]
     return "\n".join(out)
@@ -259,6 +281,8 @@ def main() -> None:
                "stream": args.stream, "url": args.url,
                "temperature": args.temperature}  # fmt: skip
     results["phoenix"] = phoenix_sweep(args, cfg, ws)
+    if not args.url:  # the dtype the server ran (models.dtype: auto is its start-up probe's)
+        results["environment"]["dtype"] = served_dtype(ws.root / "perf" / "serve.log", cfg)
     if args.vllm:
         results["vllm"] = vllm_sweep(args, cfg, ws)
     results["verdict"] = verdict(results["phoenix"], results.get("vllm", {}), args.clients)

@@ -87,8 +87,7 @@ class Endpoint:
                 if r.status_code == 200:
                     data = r.json()
                     out["tokens"] = data["usage"]["completion_tokens"]
-                    out["arm"] = (data.get("phoenix") or {}).get("arm")
-                    out["why"] = why_of(data.get("phoenix"))
+                    out.update(phoenix_fields(data.get("phoenix")))
                 else:
                     out["error"] = r.text[:300]
             except (requests.RequestException, ValueError, KeyError) as exc:
@@ -109,8 +108,7 @@ class Endpoint:
                     if chunk.get("usage"):
                         out["tokens"] = chunk["usage"]["completion_tokens"]
                     if chunk.get("phoenix"):  # Phoenix's own figures: the arm that ran it
-                        out["arm"] = chunk["phoenix"].get("arm")
-                        out["why"] = why_of(chunk["phoenix"])
+                        out.update(phoenix_fields(chunk["phoenix"]))
                     delta = (chunk.get("choices") or [{}])[0].get("delta") or {}
                     if delta.get("content") and out["ttft_s"] is None:
                         out["ttft_s"] = time.perf_counter() - t0
@@ -269,6 +267,10 @@ def summarise(rounds: list[dict]) -> dict[str, Any]:
     arms = Counter(r["arm"] for r in ok if r.get("arm") is not None)
     # Why the bandit's speculative requests speculated (exploited, explored, warm-up, probe).
     why = Counter(r["why"] for r in ok if r.get("why") and r.get("arm") not in (None, "0"))
+    # The bandit's guessing rows: the batch they joined, and the share of their steps the
+    # per-step gate let them guess (the rest ran plain beside a fuller batch).
+    guessing = [r for r in ok if r.get("why") and r.get("arm") not in (None, "0")]
+    stepped = sum(r.get("rounds") or 0 for r in guessing)
     lat = [r["latency_s"] for r in ok]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     return {
@@ -287,8 +289,22 @@ def summarise(rounds: list[dict]) -> dict[str, Any]:
         "p95_ttft_s": report.percentile(ttft, 95) if ttft else None,
         "arms": dict(sorted(arms.items())),  # Phoenix: which arm served the requests
         "speculated_because": dict(sorted(why.items())),
+        "guessing_joined_rows": (
+            sum(r.get("rows") or 0 for r in guessing) / len(guessing) if guessing else None
+        ),
+        "guessing_steps_share": (
+            sum(r.get("guess_rounds") or 0 for r in guessing) / stepped if stepped else None
+        ),
         **acceptance_between(None, total),
     }
+
+
+def phoenix_fields(ph: dict | None) -> dict[str, Any]:
+    """What the load test keeps of a response's `phoenix` block: the arm, why the bandit chose
+    it, the rows it joined, its steps and the steps it guessed."""
+    ph = ph or {}
+    return {"arm": ph.get("arm"), "why": why_of(ph), "rows": ph.get("rows"),
+            "rounds": ph.get("rounds"), "guess_rounds": ph.get("guess_rounds")}  # fmt: skip
 
 
 def why_of(ph: dict | None) -> str | None:

@@ -866,7 +866,7 @@ PHOENIX_FIELDS = (
     "mode", "arm", "proposed", "accepted", "rounds", "acceptance", "tokens_per_second",
     "latency_s", "draft_s", "verify_s", "accepted_per_position", "proposed_per_position",
     "explored", "warmup", "probe", "fallback", "guard_event", "epsilon", "goodput", "batch_rows",
-    "queued_s",
+    "queued_s", "rows", "guess_rounds",
 )  # fmt: skip
 
 

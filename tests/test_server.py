@@ -80,7 +80,10 @@ def test_every_mode_is_lossless_over_http(server):
         assert details["rejected_prediction_tokens"] == ph["proposed"] - ph["accepted"]
         assert ph["mode"] == ("target" if mode == "fixed:0" else mode)
         assert ph["tokens_per_second"] > 0
+        assert ph["rows"] == 1 and 0 <= ph["guess_rounds"] <= ph["rounds"]  # alone; a fixed arm
         if mode in ("fixed:2", "fixed:4", "fixed:8"):
+            # A fixed arm guesses every step but a last one with a single token left to go.
+            assert ph["rounds"] - 1 <= ph["guess_rounds"] <= ph["rounds"]
             assert ph["arm"] == f"draft:{mode[6:]}"
         if mode == "ngram:4":
             assert ph["arm"] == "ngram:4" and ph["proposed"] <= 4 * ph["rounds"]

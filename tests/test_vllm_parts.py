@@ -98,9 +98,10 @@ def test_rounds_of_a_point_pool_their_requests_clocks_and_counters():
     """An interleaved point (`loadtest.interleaved`) pools its rounds: tokens over the summed
     wall clocks, latencies together, the counters' moves added (not the last reading's)."""
 
-    def req(tokens, latency, arm="ngram:2"):
+    def req(tokens, latency, arm="ngram:2", rows=2, rounds=10, guessed=5):
         return {"status": 200, "tokens": tokens, "latency_s": latency, "ttft_s": 0.1,
-                "arm": arm, "why": "exploited"}  # fmt: skip
+                "arm": arm, "why": "exploited", "rows": rows, "rounds": rounds,
+                "guess_rounds": guessed}  # fmt: skip
 
     def counters(drafts, tokens, accepted, first):
         return {"drafts": drafts, "draft_tokens": tokens, "accepted": accepted,
@@ -116,6 +117,11 @@ def test_rounds_of_a_point_pool_their_requests_clocks_and_counters():
     assert p["acceptance"] == 8 / 24 and p["per_position"] == [5 / 8]
     assert p["arms"] == {"0": 1, "ngram:2": 3} and p["speculated_because"] == {"exploited": 3}
     assert p["p95_latency_s"] > p["p50_latency_s"]
+    # The guessing requests (arm 0 not among them): the rows they joined, steps they guessed.
+    one["results"][0].update(rows=4, guess_rounds=0)
+    p = loadtest.summarise([one, two])
+    assert p["guessing_joined_rows"] == (4 + 2 + 2) / 3
+    assert p["guessing_steps_share"] == (0 + 5 + 5) / 30
     one["after"] = None  # a server without counters
     assert loadtest.summarise([one, two])["acceptance"] is None
 

@@ -125,6 +125,7 @@ class CoreResult:
             "proposed": r.proposed,
             "accepted": r.accepted,
             "rounds": r.rounds,
+            "guess_rounds": r.rounds if r.guess_rounds is None else r.guess_rounds,
             "acceptance": r.acceptance,
             "proposed_per_position": r.proposed_per_position,
             "accepted_per_position": r.accepted_per_position,
