@@ -432,3 +432,13 @@ def head_logits(head: Eagle3Head, target, prompts: list[list[int]]) -> list[torc
 def vllm_command(target: str, head_dir: str, k: int = 4) -> str:
     spec = json.dumps({"method": "eagle3", "model": head_dir, "num_speculative_tokens": k})
     return f"python -m vllm.entrypoints.openai.api_server --model {target} --speculative-config '{spec}'"
+
+
+def vllm_caveat(aux_layers) -> str | None:
+    """Why vLLM cannot serve a head, if it cannot: vLLM taps each target layer once (it keeps
+    the set of aux layer ids), so a head fusing a layer twice (a target of under 3 layers)
+    would get two states where its fc wants three."""
+    if len(set(aux_layers)) == len(aux_layers):
+        return None
+    return (f"vLLM cannot serve this head: it fuses target layers {list(aux_layers)}, and vLLM "
+            "reads each layer once (three distinct layers: a target of 3 or more)")  # fmt: skip

@@ -265,11 +265,11 @@ def summarise(rounds: list[dict]) -> dict[str, Any]:
                 total["per_pos"][pos] = total["per_pos"].get(pos, 0.0) + v
     ok = [r for r in results if r["status"] == 200]
     arms = Counter(r["arm"] for r in ok if r.get("arm") is not None)
-    # Why the bandit's speculative requests speculated (exploited, explored, warm-up, probe).
-    why = Counter(r["why"] for r in ok if r.get("why") and r.get("arm") not in (None, "0"))
-    # The bandit's guessing rows: the batch they joined, and the share of their steps the
-    # per-step gate let them guess (the rest ran plain beside a fuller batch).
+    # The bandit's guessing requests: why it chose them (exploited, explored, warm-up, probe),
+    # the batch they joined, and the share of their steps the per-step gate let them guess
+    # (the rest ran plain beside a fuller batch).
     guessing = [r for r in ok if r.get("why") and r.get("arm") not in (None, "0")]
+    why = Counter(r["why"] for r in guessing)
     stepped = sum(r.get("rounds") or 0 for r in guessing)
     lat = [r["latency_s"] for r in ok]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]

@@ -21,6 +21,7 @@ from . import models, publish
 from .artifacts import PUSH_RECORD
 from .config import Config, dump_config
 from .errors import InputError, VerificationError
+from .vllm import speculative_config
 from .workspace import Workspace, atomic_write_json, make_temp_dir, read_jsonl, sha256_file
 
 log = logging.getLogger(__name__)
@@ -153,10 +154,10 @@ def _merge_eagle3(cfg: Config, ws: Workspace, metrics: dict, push: bool) -> dict
             **checked,
             "weights_sha256": sha256_file(tmp / "model.safetensors"),
             "vllm_command": eagle3.vllm_command(cfg.models.target, "<this directory>"),
+            "vllm_caveat": eagle3.vllm_caveat(metrics["aux_layers"]),
         }
-        caveat = eagle3_vllm_caveat(metrics["aux_layers"])
-        if caveat:
-            log.warning("merge: %s (train.eagle3_layers)", caveat)
+        if info["vllm_caveat"]:
+            log.warning("merge: %s (train.eagle3_layers)", info["vllm_caveat"])
             info["vllm_command"] = None
         _finish_dir(cfg, ws, metrics, info, tmp)
     except BaseException:
@@ -262,10 +263,8 @@ def model_card(cfg: Config, ws: Workspace, metrics: dict, info: dict) -> str:
     ]
     target = models.hub_id_of(cfg.models.target) or cfg.models.target
     if metrics["method"] == "eagle3":
-        spec = json.dumps(
-            {"method": "eagle3", "model": "<this directory>", "num_speculative_tokens": 4}
-        )
-        caveat = eagle3_vllm_caveat(metrics["aux_layers"])
+        spec = json.dumps(speculative_config("eagle3", "<this directory>", 4))
+        caveat = info.get("vllm_caveat")
         served = (
             f"{caveat}. Phoenix serves it (server.draft or models.head)."
             if caveat
@@ -286,9 +285,7 @@ def model_card(cfg: Config, ws: Workspace, metrics: dict, info: dict) -> str:
                 "",
             ]),
         ])  # fmt: skip
-    spec = json.dumps(
-        {"method": "draft_model", "model": "<this directory>", "num_speculative_tokens": 2}
-    )
+    spec = json.dumps(speculative_config("draft_model", "<this directory>", 2))
     lines += [
         "",
         "A plain transformers model: use it as the draft of its target. In vLLM (tested with "
@@ -304,16 +301,6 @@ def model_card(cfg: Config, ws: Workspace, metrics: dict, info: dict) -> str:
         "",
     ]
     return "\n".join(lines)
-
-
-def eagle3_vllm_caveat(aux_layers) -> str | None:
-    """Why vLLM cannot serve a head, if it cannot: vLLM taps each target layer once (it keeps
-    the set of aux layer ids), so a head fusing a layer twice (a target of under 3 layers)
-    would get two states where its fc wants three."""
-    if len(set(aux_layers)) == len(aux_layers):
-        return None
-    return (f"vLLM cannot serve this head: it fuses target layers {list(aux_layers)}, and vLLM "
-            "reads each layer once (three distinct layers: a target of 3 or more)")  # fmt: skip
 
 
 def _num(x) -> str:

@@ -126,10 +126,8 @@ def speculative_config(
     if method == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3,
                 "prompt_lookup_min": 1}  # fmt: skip
-    elif method == "eagle3":
-        spec = {"method": "eagle3", "model": draft_dir, "num_speculative_tokens": k}
-    else:
-        spec = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": k}
+    else:  # draft_model or eagle3: a directory
+        spec = {"method": method, "model": draft_dir, "num_speculative_tokens": k}
     if schedule:
         spec["num_speculative_tokens"] = max(r[2] for r in schedule)
         spec["num_speculative_tokens_per_batch_size"] = schedule
