@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import environment, header, server, table, write_results
-from pipeline import loadtest, vllm
+from pipeline import loadtest, models, vllm
 from pipeline.config import load_config
 from pipeline.drafts import resolve_served
 from pipeline.workspace import Workspace
@@ -126,7 +126,7 @@ def vllm_sweep(args, cfg, ws) -> dict:
     served = resolve_served(cfg, ws)
     target, draft = vllm.target_dir(cfg, ws), vllm.draft_dir(cfg, ws, served)
     out = {}
-    head = cfg.models.head  # eagle:K: the EAGLE-3 head beside the draft (models.head)
+    head = models.head_ref(cfg, ws)  # eagle:K: the EAGLE-3 head beside the draft (models.head)
     for arm in args.vllm:
         strategy, _, k = arm.partition(":")
         if strategy == "eagle" and not head:

@@ -73,6 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
 DEMO_STAGES = ("split", "distill", "train", "merge", "bench")
 
 
+def trained_parts(cfg: Config, ws: Workspace) -> list[tuple[Config, Workspace]]:
+    """What train and merge build, in order: the draft, then (models.head=distilled) the
+    EAGLE-3 head beside it, under <artifacts>/head/ with its own config (`head_config`)."""
+    return [(cfg, ws)] + ([(cfg.head_config(), ws.head())] if cfg.trains_head() else [])
+
+
+def _prefixed(ws: Workspace, figures: dict) -> dict:
+    return {f"{ws.part}_{k}" if ws.part else k: v for k, v in figures.items()}
+
+
 def run_stage(stage: str, cfg: Config, ws: Workspace, args: argparse.Namespace, telemetry) -> None:
     """Log the resolved config, run the stage in its own telemetry transaction, then store the
     config beside its outputs (only on success, so a failed run never relabels the outputs of
@@ -119,12 +129,14 @@ def run_stage(stage: str, cfg: Config, ws: Workspace, args: argparse.Namespace, 
         elif stage == "train":
             from . import train
 
-            figures.update(train.run(cfg, ws, force=args.force))
-            atomic_write_text(ws.adapter / "config.yaml", text)
+            for c, w in trained_parts(cfg, ws):
+                figures.update(_prefixed(w, train.run(c, w, force=args.force)))
+                atomic_write_text(w.adapter / "config.yaml", dump_config(c))
         elif stage == "merge":
             from . import merge
 
-            figures.update(merge.run(cfg, ws))
+            for c, w in trained_parts(cfg, ws):
+                figures.update(_prefixed(w, merge.run(c, w)))
         elif stage == "bench" and args.url:
             from . import loadtest
 
@@ -167,7 +179,11 @@ def next_steps(cfg: Config, ws: Workspace, args: argparse.Namespace) -> str:
             "",
             "Next:",
             f"  make serve {' '.join(make_vars)}".rstrip()
-            + "    # serves the draft just built (server.draft: latest)",
+            + (
+                "    # serves the faster of the draft and the EAGLE-3 head just built"
+                if cfg.trains_head()
+                else "    # serves the draft just built (server.draft: latest)"
+            ),
             f"  curl -s {url} -H 'Content-Type: application/json'{auth} -d '{body}'",
             f"  report: {ws.bench / 'report.md'}",
         ]

@@ -115,6 +115,8 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
     results["engine"] = engine_summary(cfg, records, engines)
     # Which weights each row measured: the server names a draft's acceptance only for these.
     results["draft_weights"] = {d: engines[d]["weights"] for d in drafts}
+    head = models.head_ref(cfg, ws)  # and the head beside them (serve compares the two kinds)
+    results["head_weights"] = weights_id(head) if head else None
     ws.bench.mkdir(parents=True, exist_ok=True)
     atomic_write_json(ws.bench_results, results)
     text = report.markdown(results)

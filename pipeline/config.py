@@ -23,6 +23,8 @@ from .errors import ConfigError
 from .speculative.arms import FORMS, canonical
 from .workspace import LOCK_HEARTBEAT_S, LOCK_STALE_AFTER_S
 
+HEAD_DISTILLED = "distilled"  # models.head: the head this workspace trains beside the draft
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -46,7 +48,9 @@ class ModelsConfig(Section):
         None,
         description="An exported EAGLE-3 head (a merged directory of models.draft=eagle3) served "
         "beside the draft: the eagle:K arms. A server.draft or bench draft that is such a head "
-        "is loaded as one too.",
+        "is loaded as one too. `distilled`: the head this workspace trains beside the draft "
+        "(train, merge: under <artifacts>/head/, train.head_epochs), benched beside it; serve "
+        "then serves whichever of the two the bench measured faster.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: bfloat16 on a GPU, float32 on the CPU."
@@ -362,6 +366,15 @@ class TrainConfig(Section):
         description="models.draft=eagle3: the three target layers whose inputs the head fuses "
         "(low, middle, high); null: 2, L/2, L-3, as vLLM chooses.",
     )
+    head_epochs: float = Field(
+        8.0,
+        gt=0,
+        description="models.head=distilled: epochs of the EAGLE-3 head trained beside the draft "
+        "(method full, objective sft, train.ttt_steps, train.eagle3_layers).",
+    )
+    head_learning_rate: float = Field(
+        1e-3, gt=0, description="models.head=distilled: the head's learning rate."
+    )
     on_policy_ratio: float = Field(
         0.5, ge=0, le=1, description="on_policy: share of batches the draft writes itself."
     )
@@ -584,6 +597,35 @@ class Config(Section):
             raise ValueError(
                 f"train.objective={self.train.objective} is not built for models.draft=eagle3: "
                 "the head learns the target's own greedy tokens (train.objective=sft)"
+            )
+        return self
+
+    def trains_head(self) -> bool:
+        """models.head=distilled: train and merge build an EAGLE-3 head beside the draft."""
+        return (self.models.head or "").strip() == HEAD_DISTILLED
+
+    def head_config(self) -> Config:
+        """The config that trains and merges the head beside the draft (models.head=distilled):
+        models.draft=eagle3 with the head's epochs and learning rate, published under its own
+        registry name (and Hub repo) beside the draft's."""
+        raw = self.model_dump()
+        raw["models"].update(draft="eagle3", head=None)
+        t = self.train
+        raw["train"].update(
+            method="full", objective="sft", epochs=t.head_epochs, learning_rate=t.head_learning_rate
+        )
+        p = self.publish
+        raw["publish"].update(
+            name=f"{p.name}-eagle3", repo_id=f"{p.repo_id}-eagle3" if p.repo_id else None
+        )
+        return Config.model_validate(raw)
+
+    @model_validator(mode="after")
+    def _head_beside_a_draft(self) -> Config:
+        if self.trains_head() and self.models.draft.strip() == "eagle3":
+            raise ValueError(
+                "models.head=distilled trains a head beside the draft, but models.draft=eagle3 "
+                "is a head already: set models.head=null, or models.draft to a model or cut:N"
             )
         return self
 

@@ -31,6 +31,7 @@ from .artifacts import (
 )
 from .config import Config
 from .errors import ConfigError
+from .models import head_ref, is_eagle3
 from .workspace import Workspace
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,8 @@ class ServedDraft:
     acceptance: float | None = None  # held-out acceptance from a bench of this exact draft
     acceptance_mode: str | None = None
     acceptance_from: str | None = None  # the results.json it comes from
+    head: str | None = None  # an EAGLE-3 head served beside it (models.head), as a directory
+    why: str | None = None  # models.head=distilled: why this one of the draft and the head
 
     @property
     def label(self) -> str:
@@ -75,7 +78,10 @@ class ServedDraft:
             )
         elif self.source != "base":
             parts.append("no bench result for this exact draft yet")
-        return f"{self.spec} ({'; '.join(parts)})"
+        if self.head:
+            parts.append(f"EAGLE-3 head {self.head} beside it")
+        text = f"{self.spec} ({'; '.join(parts)})"
+        return f"{text}; {self.why}" if self.why else text
 
 
 def _registry_model(cfg: Config, ws: Workspace) -> Path:
@@ -171,6 +177,15 @@ def bench_acceptance(ws: Workspace, served: ServedDraft, mode: str) -> ServedDra
 def resolve_served(cfg: Config, ws: Workspace, which: str | None = None) -> ServedDraft:
     """`which` (default: `server.draft`) -> the draft to serve, checked loadable, with its
     bench acceptance."""
+    served = _resolve(cfg, ws, which)
+    if which is None and cfg.trains_head():  # the server's choice: the faster of the two
+        return _draft_or_head(ws, served)
+    if cfg.models.head and not cfg.trains_head() and not is_eagle3(served.spec):
+        served = replace(served, head=head_ref(cfg, ws))
+    return served
+
+
+def _resolve(cfg: Config, ws: Workspace, which: str | None) -> ServedDraft:
     text = (which or cfg.server.draft).strip()
     if text == "base":
         served = ServedDraft(cfg.models.draft, "base")
@@ -191,3 +206,45 @@ def resolve_served(cfg: Config, ws: Workspace, which: str | None = None) -> Serv
         check_loadable(served)
         served = bench_acceptance(ws, served, cfg.retrain.gate_mode)
     return served
+
+
+def _draft_or_head(ws: Workspace, served: ServedDraft) -> ServedDraft:
+    """models.head=distilled: serve the one of the distilled draft and the EAGLE-3 head beside
+    it whose best fixed arm the workspace's bench measured faster (`why` says which figures);
+    both, the bandit choosing per request, when no bench measured these exact weights."""
+    head = ws.head().merged
+    if not is_verified(head):
+        return replace(
+            served,
+            why=f"models.head=distilled: no merged head at {head} yet (train and merge build "
+            "it): the draft alone",
+        )
+    if is_eagle3(served.spec):  # server.draft names a head: nothing to choose
+        return served
+    both = replace(served, head=str(head))
+    results = ws.bench_results
+    measured = json.loads(results.read_text()) if results.is_file() else {}
+    same = (measured.get("draft_weights") or {}).get("distilled") == weights_id(served.spec) and (
+        measured.get("head_weights") == weights_id(head)
+    )
+    rows = [r for r in measured.get("rows", []) if r["draft"] == "distilled"] if same else []
+    best = {
+        kind: max((r for r in rows if r["mode"].startswith(prefix)), default=None,
+                  key=lambda r: r["tokens_per_second"])
+        for kind, prefix in (("draft", "fixed_"), ("head", "eagle_"))
+    }  # fmt: skip
+    if best["draft"] is None or best["head"] is None:
+        return replace(
+            both,
+            why=f"no bench of this draft and head ({results}): both served, the bandit "
+            "chooses per request",
+        )
+    d, h = best["draft"], best["head"]
+    figures = (
+        f"the bench of {measured['environment']['date']} measured the head's {h['mode']} at "
+        f"{h['speedup']:.2f}x target-only and the draft's {d['mode']} at {d['speedup']:.2f}x"
+    )
+    if h["tokens_per_second"] > d["tokens_per_second"]:
+        version = published_version(head / PUSH_RECORD)
+        return ServedDraft(str(head), served.source, version, why=f"the EAGLE-3 head: {figures}")
+    return replace(served, why=f"the draft model, not the EAGLE-3 head: {figures}")

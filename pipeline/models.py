@@ -23,6 +23,7 @@ from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 from typing import Any
 
+from .config import HEAD_DISTILLED
 from .errors import ConfigError, InputError, PhoenixError
 from .workspace import atomic_write_json, make_temp_dir, sha256_file
 
@@ -519,13 +520,22 @@ def draft_token_ids(
     return top_tokens(counts, n, vocab, eos)
 
 
+FROM_CONFIG = "from config"  # load_pair's head_dir default: models.head, resolved by head_ref
+
+
 def load_pair(
-    cfg, ws, draft: str | None, share_target: Pair | None = None, full_head: bool = False
+    cfg,
+    ws,
+    draft: str | None,
+    share_target: Pair | None = None,
+    full_head: bool = False,
+    head_dir: str | None = FROM_CONFIG,
 ) -> Pair:
     """The one loader: target, draft, tokenizer and engine per config, for the server, the bench
     and every benchmark script. `draft`: a spec (`cfg.models.draft`, a merged directory, `cut:N`),
     None (target only), or SELF. `share_target`: take the target and tokenizer of a pair already
-    loaded (the bench measures several drafts against one target). `full_head`: no pruned
+    loaded (the bench measures several drafts against one target). `head_dir`: the EAGLE-3
+    head served beside a draft model (default: `head_ref`; None: none). `full_head`: no pruned
     draft head, whatever `engine.draft_vocab` says. On a CPU, `models.dtype: auto` is measured
     (`cpu_dtype`) and the models' linear layers take the matmul form this CPU runs faster at
     each number of rows (`speculative.cpu`)."""
@@ -563,8 +573,10 @@ def load_pair(
             draft_model = load_model(draft_ref, dtype, device)
     else:
         draft_ref, draft_model = None, None
-    if head is None and m.head and draft and draft != SELF:  # a head beside the draft model
-        head = load_head(cfg, resolve(m.head, ws.models_cache), target, target_ref)
+    if head_dir == FROM_CONFIG:
+        head_dir = head_ref(cfg, ws) if draft and draft != SELF and head is None else None
+    if head is None and head_dir and draft and draft != SELF:  # a head beside the draft model
+        head = load_head(cfg, head_dir, target, target_ref)
     eos = eos_ids(tok, target)
     subset = None
     if draft_model is not None and draft_ref != SELF and not full_head:
@@ -611,6 +623,23 @@ def verifier_name(cfg, target_ref: str) -> str:
     target's Hub id where it has one (an embedded target's too), else its local directory, so
     speculators and vLLM can resolve it; a head is served only beside the target it names."""
     return hub_id_of(cfg.models.target) or str(target_ref)
+
+
+def head_ref(cfg, ws) -> str | None:
+    """models.head as a directory (None: no head): `distilled` is this workspace's own merged
+    head (<artifacts>/head/merged); a ConfigError naming the key when it is not built yet."""
+    spec = (cfg.models.head or "").strip()
+    if not spec:
+        return None
+    if spec == HEAD_DISTILLED:
+        folder = ws.head().merged
+        if not (folder / "config.json").is_file():
+            raise ConfigError(
+                f"models.head=distilled: no merged head at {folder} yet: run train and merge "
+                "first (make train merge), or set models.head=null"
+            )
+        return str(folder)
+    return resolve(spec, ws.models_cache)
 
 
 def load_head(cfg, ref: str, target, target_ref: str):

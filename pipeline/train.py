@@ -111,7 +111,8 @@ def train_inputs(cfg: Config, ws: Workspace) -> dict[str, Any]:
         "answers_sha256": sha256_file(ws.answers_file),
         "draft": cfg.models.draft,
         "target": cfg.models.target,
-        "train": cfg.train.model_dump(mode="json"),
+        # The head's own keys are its config's epochs and learning_rate (Config.head_config).
+        "train": cfg.train.model_dump(mode="json", exclude={"head_epochs", "head_learning_rate"}),
         "template_kwargs": cfg.template_kwargs(),
     }
 

@@ -26,11 +26,18 @@ LOCK_STALE_AFTER_S = 600.0
 
 
 class Workspace:
-    """Paths of one workspace. `cache` (converted models) is shared by all runs under a root."""
+    """Paths of one workspace. `cache` (converted models) is shared by all runs under a root.
+    `part`: a second trained draft beside the first (`head()`: models.head=distilled), its
+    adapter and merged directories under <root>/<part>/, everything else shared."""
 
-    def __init__(self, root: str | Path, cache: str | Path | None = None):
+    def __init__(self, root: str | Path, cache: str | Path | None = None, part: str = ""):
         self.root = Path(root)
         self.cache = Path(cache) if cache is not None else self.root / "cache"
+        self.part = part
+
+    def head(self) -> Workspace:
+        """Where the EAGLE-3 head trained beside the draft lives (models.head=distilled)."""
+        return Workspace(self.root, self.cache, part="head")
 
     @property
     def data(self) -> Path:
@@ -54,11 +61,11 @@ class Workspace:
 
     @property
     def adapter(self) -> Path:
-        return self.root / "adapter"
+        return self.root / self.part / "adapter"
 
     @property
     def merged(self) -> Path:
-        return self.root / "merged"
+        return self.root / self.part / "merged"
 
     @property
     def bench(self) -> Path:

@@ -238,3 +238,72 @@ def test_demo_ends_with_the_three_lines_a_user_needs(tmp_path, monkeypatch):
     other = argparse.Namespace(config="configs/ci.yaml", artifacts=str(tmp_path))
     text = next_steps(load_config("configs/ci.yaml"), Workspace(tmp_path), other)
     assert f"make serve CONFIG=configs/ci.yaml ARTIFACTS={tmp_path}" in text
+
+
+def test_a_head_trained_beside_the_draft_is_benched_and_the_faster_kind_served(
+    distilled_ws, tmp_path, cli, caplog
+):
+    """models.head=distilled: train and merge build the cut draft and an EAGLE-3 head beside it
+    (under head/, published under its own registry name); the bench measures both kinds; serve
+    serves the one whose best fixed arm the bench measured faster and says which figures
+    decided (the other kind when the figures are the other way round); both, the bandit
+    choosing, before any bench of these weights."""
+    import logging
+
+    from pipeline.server import build_app
+    from tests.conftest import copy_workspace
+
+    art = copy_workspace(distilled_ws, tmp_path / "art")
+    over = ["models.head=distilled", "distill.limit=100", "train.epochs=1", "train.head_epochs=1",
+            "train.ttt_steps=2", "bench.prompts=8", "bench.fixed_arms=[draft:2,eagle:2]",
+            "bandit.arms=[0,draft:2,eagle:2]"]  # fmt: skip
+    sets = ["--config", "configs/ci.yaml", "--artifacts", str(art)]
+    sets += [x for o in over for x in ("--set", o)]
+    for stage in ("train", "merge"):
+        r = cli(stage, *sets)
+        assert r.returncode == 0, (stage, r.log[-2000:])
+    ws, cfg = Workspace(art), load_config("configs/ci.yaml", over)
+    head = ws.head().merged
+    assert artifacts.is_verified(ws.merged) and artifacts.is_verified(head)
+    assert json.loads((head / "config.json").read_text())["speculators_model_type"] == "eagle3"
+    for name in ("phoenix-draft", "phoenix-draft-eagle3"):
+        assert (art / "registry" / name / "latest.json").is_file(), name
+
+    served = drafts.resolve_served(cfg, ws)  # no bench yet: both, the bandit chooses
+    assert (served.spec, served.head) == (str(ws.merged), str(head)) and "no bench" in served.why
+
+    r = cli("bench", *sets)
+    assert r.returncode == 0, r.log[-2000:]
+    results = json.loads(ws.bench_results.read_text())
+    assert results["lossless"] and results["head_weights"] == artifacts.weights_id(head)
+    rows = {q["mode"]: q for q in results["rows"] if q["draft"] == "distilled"}
+    assert {"fixed_2", "eagle_2", "bandit"} <= rows.keys()
+
+    def chosen(fast: str, slow: str) -> str:
+        served = drafts.resolve_served(cfg, ws)
+        assert served.head is None, served
+        assert f"{rows[fast]['mode']} at {rows[fast]['speedup']:.2f}x" in served.why
+        assert f"{rows[slow]['mode']} at {rows[slow]['speedup']:.2f}x" in served.why
+        return served.spec
+
+    head_won = rows["eagle_2"]["tokens_per_second"] > rows["fixed_2"]["tokens_per_second"]
+    fast, slow = ("eagle_2", "fixed_2") if head_won else ("fixed_2", "eagle_2")
+    assert chosen(fast, slow) == str(head if head_won else ws.merged)
+    # The same weights with the figures the other way round: the other kind.
+    rows[fast]["tokens_per_second"], rows[slow]["tokens_per_second"] = (
+        rows[slow]["tokens_per_second"], rows[fast]["tokens_per_second"])  # fmt: skip
+    ws.bench_results.write_text(json.dumps(results))
+    assert chosen(slow, fast) == str(ws.merged if head_won else head)
+
+    caplog.set_level(logging.INFO)
+    with ServerThread(build_app(cfg, ws)) as s:  # serves what resolve_served chose, and says why
+        wait_http(s.url + "/health", timeout=60)
+        info = requests.get(s.url + "/v1/models", timeout=10).json()["data"][0]["metadata"]
+        assert info["draft"]["spec"] == str(ws.merged if head_won else head)
+        body = {"model": cfg.models.target, "max_tokens": 8,
+                "messages": [{"role": "user", "content": "Write a function."}]}  # fmt: skip
+        assert requests.post(s.url + CHAT, json=body, timeout=60).status_code == 200
+    assert "the bench of" in caplog.text and "target-only" in caplog.text
+
+    with pytest.raises(ConfigError, match="models.head=distilled"):
+        load_config("configs/ci.yaml", ["models.head=distilled", "models.draft=eagle3"])

@@ -256,7 +256,13 @@ def build_core(
     target). `served`: the draft, already chosen (`drafts.resolve_served`); None: target only.
     `full_head`: the draft proposes over its whole vocabulary whatever `engine.draft_vocab`."""
     mode = mode or cfg.server.mode
-    pair = models.load_pair(cfg, ws, served.spec if served else None, full_head=full_head)
+    pair = models.load_pair(
+        cfg,
+        ws,
+        served.spec if served else None,
+        full_head=full_head,
+        head_dir=served.head if served else None,
+    )
     models.compile_engine(cfg, ws, pair)  # before /health says ready: warm, not in a request
     return make_core(
         cfg,
