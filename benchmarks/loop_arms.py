@@ -93,7 +93,7 @@ def main() -> None:
     if any(a.needs_draft for a in arms):
         draft = cfg.server.draft if cfg.server.draft not in ("latest", "base") else str(ws.merged)
     elif any(a.needs_head for a in arms):
-        draft = cfg.models.head
+        draft = models.head_ref(cfg, ws)
     pair = models.load_pair(cfg, ws, draft)
     print(f"dtype {pair.target.dtype}, draft {draft}", flush=True)
     tok = pair.tokenizer
@@ -111,6 +111,8 @@ def main() -> None:
         for rows in (1, 8):
             b = RowBatch(pair.engine, max_rows=16)
             b.join([(i, prompts[i], 48, parse_arm(arm)) for i in range(rows)])
+            heads = []  # the EAGLE-3 head's seconds per step (eagle arms)
+            b._eagle = lambda rs, inner=b._eagle, heads=heads: heads.append(inner(rs)) or heads[-1]
             steps = 0
             t0 = time.perf_counter()
             while b.rows:
@@ -118,8 +120,9 @@ def main() -> None:
                 steps += 1
             wall = time.perf_counter() - t0
             curve = [(round(n, 1), round(1000 * s)) for n, s in b.cost.curve()]
+            head = f", head {1000 * sum(heads) / steps:.1f} ms a step" if any(heads) else ""
             print(f"{arm:8s} rows {rows}: {steps} steps, {wall:.2f} s, {48 * rows / wall:.1f} tok/s, "
-                  f"step {1000 * wall / steps:.0f} ms, curve {curve}", flush=True)  # fmt: skip
+                  f"step {1000 * wall / steps:.0f} ms{head}, curve {curve}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

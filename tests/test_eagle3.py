@@ -69,6 +69,39 @@ def test_propose_keeps_only_committed_positions_and_matches_a_fresh_cache(target
     assert later == head.propose(seq[:20], aux[:19], HeadCache(), 3)
 
 
+def test_rows_drafting_together_guess_what_each_guesses_alone(target):
+    """`draft_many`: sequences of different lengths and caches, each with its own k (1 included),
+    one head pass per position over all of them, score and guess what each does alone (the
+    padding masked out), and leave each cache at its committed positions."""
+    head = _head(target, seed=2)
+    seqs = [[3 + (i * p) % 80 for i in range(n)] for p, n in ((5, 30), (7, 18), (11, 25))]
+    auxs = [_aux(target, s, head.config.aux_layer_ids) for s in seqs]
+    ks, ends, read = [4, 1, 3], [12, 17, 21], [0, 0, 9]  # the third cache has read 9 already
+
+    def run(together: bool):
+        scores: list[list[torch.Tensor]] = [[] for _ in seqs]
+        jobs = []
+        for i, (s, a, k, m, r) in enumerate(zip(seqs, auxs, ks, ends, read, strict=True)):
+            c = HeadCache()
+            if r:
+                head.propose(s[: r + 1], a[:r], c, 2)
+
+            def choose(x, i=i):
+                scores[i].append(x.clone())
+                return int(x.argmax())
+
+            jobs.append((s[: m + 1], a[r:m], c, k, choose))
+        out = head.draft_many(jobs) if together else [head.draft(*j) for j in jobs]
+        assert [j[2].length for j in jobs] == ends
+        return out, scores
+
+    (alone, a_scores), (both, b_scores) = run(False), run(True)
+    assert both == alone and [len(x) for x in b_scores] == ks
+    for x, y in zip(a_scores, b_scores, strict=True):
+        for p, q in zip(x, y, strict=True):
+            torch.testing.assert_close(q, p, atol=1e-5, rtol=1e-5)
+
+
 def test_aux_layers_default_to_vllms_choice_and_bad_ones_are_refused(target):
     n = target.config.num_hidden_layers
     assert config_from_target(target.config, 0).aux_layer_ids == default_aux_layers(n)

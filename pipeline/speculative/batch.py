@@ -520,19 +520,20 @@ class RowBatch:
         return time.perf_counter() - start
 
     def _eagle(self, rows: list[Row]) -> float:
-        """The EAGLE-3 head's guesses for `rows`, row by row (a head step is a small fraction
-        of a target step): each reads the target states of what it committed since its last
-        turn, then drafts k_eff tokens, greedy or drawn (a sampled row keeps each guess's
-        distribution, over the target's vocabulary, for verify). Returns the seconds."""
+        """The EAGLE-3 head's guesses for `rows`: each reads the target states of what it
+        committed since its last turn, then all draft their k_eff tokens together, one head
+        pass per position (`Eagle3Head.draft_many`), greedy or drawn (a sampled row keeps each
+        guess's distribution, over the target's vocabulary, for verify). Each row is charged an
+        equal share of the time (what a row adds is about that: its read, and a share of the
+        passes). Returns the seconds."""
+        rows = [r for r in rows if r.aux_new]  # a one-token prompt: no target state yet
         if not rows:
             return 0.0
         start = time.perf_counter()
         head = self.engine.head
         ids = head.target_ids
+        jobs = []
         for r in rows:
-            if not r.aux_new:  # a one-token prompt: no target state yet, no guess this step
-                continue
-            t0 = time.perf_counter()
             fresh = torch.cat(r.aux_new) if len(r.aux_new) > 1 else r.aux_new[0]
             r.aux_new = []
             choose = None
@@ -543,12 +544,15 @@ class RowBatch:
                     r.q.append(self._full(q, ids))
                     return draw(q, r.gen)
 
-            r.drafts = head.draft(r.seq, fresh, r.hcache, r.k_eff, choose)
-            dt = time.perf_counter() - t0
-            self.head_cost.observe(r.k_eff, dt)
-            r.draft_s += dt
-            r.cost_s += dt
-        return time.perf_counter() - start
+            jobs.append((r.seq, fresh, r.hcache, r.k_eff, choose))
+        for r, drafts in zip(rows, head.draft_many(jobs), strict=True):
+            r.drafts = drafts
+        dt = time.perf_counter() - start
+        for r in rows:
+            self.head_cost.observe(r.k_eff, dt / len(rows))
+            r.draft_s += dt / len(rows)
+            r.cost_s += dt / len(rows)
+        return dt
 
     def _full(self, q: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
         """A draft distribution over the target's vocabulary (a pruned head's: zero elsewhere;

@@ -304,26 +304,71 @@ class Eagle3Head(nn.Module):
         at least one). The cache reads them, drafts, then is cut back to the committed
         positions. `choose(logits over the head's vocabulary) -> draft index`: how a guess is
         picked (default: greedy)."""
-        m = len(seq) - 1
-        have = cache.length
-        if fresh.shape[0] != m - have or m - have < 1:
-            raise ValueError(f"head cache at {have} of {m} positions, {fresh.shape[0]} new states")
-        dev = self.fc.weight.device
-        ids = torch.tensor([seq[have + 1 : m + 1]], device=dev)
-        logits, pre = self.forward_step(ids, self.fuse(fresh.to(dev))[None], have, cache)
-        tids = self.target_ids
-        out: list[int] = []
-        for j in range(k):
-            scores = logits[0, -1]
-            pick = int(scores.argmax()) if choose is None else choose(scores)
-            out.append(int(tids[pick]))
-            if j + 1 == k:
-                break
-            logits, pre = self.forward_step(
-                torch.tensor([[out[-1]]], device=dev), pre[:, -1:], m + j, cache
-            )
-        cache.crop(m)
-        return out
+        return self.draft_many([(seq, fresh, cache, k, choose)])[0]
+
+    @torch.no_grad()
+    def draft_many(self, jobs: list[tuple]) -> list[list[int]]:
+        """`draft` for several sequences, each job (seq, fresh, cache, k, choose): each reads its
+        fresh states alone (their counts differ), then guesses 2..k of every sequence still
+        drafting step together, one head pass per position over all of them (their caches laid
+        out to the longest, the rest masked), as the draft model's rows do: a head step for
+        sixteen rows costs about one for one."""
+        dev, tids = self.fc.weight.device, self.target_ids
+        outs: list[list[int]] = []
+        chain: list[tuple[int, torch.Tensor]] = []  # (job, the head's last pre-norm output)
+        for i, (seq, fresh, cache, k, choose) in enumerate(jobs):
+            m, have = len(seq) - 1, cache.length
+            if fresh.shape[0] != m - have or m - have < 1:
+                raise ValueError(
+                    f"head cache at {have} of {m} positions, {fresh.shape[0]} new states"
+                )
+            ids = torch.tensor([seq[have + 1 : m + 1]], device=dev)
+            logits, pre = self.forward_step(ids, self.fuse(fresh.to(dev))[None], have, cache)
+            outs.append([self._pick(logits[0, -1], choose, tids)])
+            if k > 1:
+                chain.append((i, pre[:, -1:]))
+        while chain:
+            ids = torch.tensor([[outs[i][-1]] for i, _ in chain], device=dev)
+            hidden = torch.cat([h for _, h in chain])
+            caches = [jobs[i][2] for i, _ in chain]
+            if len(chain) == 1:
+                logits, pre = self.forward_step(ids, hidden, caches[0].length, caches[0])
+            else:
+                logits, pre = self._step_rows(ids, hidden, caches)
+            going = []
+            for row, (i, _) in enumerate(chain):
+                outs[i].append(self._pick(logits[row, -1], jobs[i][4], tids))
+                if len(outs[i]) < jobs[i][3]:
+                    going.append((i, pre[row : row + 1, -1:]))
+            chain = going
+        for seq, _, cache, _, _ in jobs:
+            cache.crop(len(seq) - 1)
+        return outs
+
+    @staticmethod
+    def _pick(scores: torch.Tensor, choose, tids: torch.Tensor) -> int:
+        return int(tids[int(scores.argmax()) if choose is None else choose(scores)])
+
+    def _step_rows(
+        self, ids: torch.Tensor, hidden: torch.Tensor, caches: list[HeadCache]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One position of several sequences: ids [R, 1], hidden [R, 1, H], each at its own
+        cache's length; appends to each cache and attends over it (padded to the longest)."""
+        starts = [c.length for c in caches]
+        pos = torch.tensor(starts, device=ids.device)[:, None]
+        q, k, v, residual = self._qkv(self.embed(ids), hidden, pos)
+        longest = max(starts) + 1
+        r, heads, _, d = k.shape
+        keys, values = k.new_zeros(r, heads, longest, d), v.new_zeros(r, heads, longest, d)
+        mask = torch.zeros(r, 1, 1, longest, dtype=torch.bool, device=ids.device)
+        for row, c in enumerate(caches):
+            kk, vv = c.append(k[row : row + 1], v[row : row + 1])
+            n = kk.shape[2]
+            keys[row, :, :n], values[row, :, :n], mask[row, ..., :n] = kk[0], vv[0], True
+        attn = F.scaled_dot_product_attention(
+            q, self._expand(keys), self._expand(values), attn_mask=mask
+        )
+        return self._out(attn, residual)
 
     # -- training ---------------------------------------------------------------------------
     def ttt_logits(
