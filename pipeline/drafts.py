@@ -8,6 +8,12 @@
 
 A draft named explicitly, or found by `latest`, that is missing or cannot be loaded is a
 ConfigError (exit 2) naming it, raised before the server starts.
+
+With `models.head: distilled` the workspace also holds an EAGLE-3 head trained beside the draft
+(<artifacts>/head/merged): the server serves the one of the two whose best fixed arm the
+workspace's bench measured faster on these exact weights, or both (the bandit choosing) when no
+bench did; `ServedDraft.why` says which and by what figures. Any other `models.head` is served
+beside the draft as it names it.
 """
 
 from __future__ import annotations
@@ -176,7 +182,8 @@ def bench_acceptance(ws: Workspace, served: ServedDraft, mode: str) -> ServedDra
 
 def resolve_served(cfg: Config, ws: Workspace, which: str | None = None) -> ServedDraft:
     """`which` (default: `server.draft`) -> the draft to serve, checked loadable, with its
-    bench acceptance."""
+    bench acceptance and the head served beside it (`head`). The choice between a distilled
+    draft and the head beside it is the server's (`which` None) only."""
     served = _resolve(cfg, ws, which)
     if which is None and cfg.trains_head():  # the server's choice: the faster of the two
         return _draft_or_head(ws, served)
@@ -246,5 +253,6 @@ def _draft_or_head(ws: Workspace, served: ServedDraft) -> ServedDraft:
     )
     if h["tokens_per_second"] > d["tokens_per_second"]:
         version = published_version(head / PUSH_RECORD)
-        return ServedDraft(str(head), served.source, version, why=f"the EAGLE-3 head: {figures}")
+        return ServedDraft(str(head), served.source, version, h.get("acceptance_rate"), h["mode"],
+                           str(results), why=f"the EAGLE-3 head: {figures}")  # fmt: skip
     return replace(served, why=f"the draft model, not the EAGLE-3 head: {figures}")

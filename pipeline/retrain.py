@@ -259,7 +259,10 @@ def run_config(cfg: Config, root: Path) -> Config:
     draft `serve` would serve (latest: the promoted one, else the newest verified merged one,
     else models.draft; its real path, so a later promotion does not change this run's inputs),
     and bench it as "base" beside the new one: the gate compares the new draft with the one it
-    would replace."""
+    would replace. A run retrains the draft model alone: an EAGLE-3 head trained beside it
+    (models.head=distilled) stays the one train and merge built, and the run's bench has none."""
+    if cfg.trains_head():
+        cfg = cfg.model_copy(update={"models": cfg.models.model_copy(update={"head": None})})
     if cfg.retrain.data != "traffic":
         if current_run(root) is not None or "base" in cfg.bench.drafts:
             return cfg

@@ -231,3 +231,18 @@ def test_the_qwen3_pair_trains_merges_and_serves_an_eagle3_head(tmp_path, cli, r
     results = json.loads((tmp_path / "art" / "bench" / "results.json").read_text())
     assert results["lossless"] is True
     assert any(q["mode"] == "eagle_2" and q["proposed"] for q in results["requests"])
+
+
+def test_a_run_retrains_the_draft_model_alone_beside_a_distilled_head(tmp_path):
+    """configs/default.yaml trains a head beside the draft (models.head=distilled); a retrain run
+    (MBPP or traffic) retrains and benches the draft model alone, so its bench does not look
+    for a head the run never built."""
+    from pipeline.config import load_config
+    from pipeline.retrain import run_config
+
+    for data in ("mbpp", "traffic"):
+        cfg = load_config("configs/default.yaml", [f"retrain.data={data}"])
+        assert cfg.trains_head()
+        run = run_config(cfg, tmp_path)
+        assert run.models.head is None and run.models.draft == cfg.models.draft
+        assert "base" in run.bench.drafts
