@@ -23,6 +23,7 @@ from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 from typing import Any
 
+from .artifacts import is_verified
 from .config import HEAD_DISTILLED
 from .errors import ConfigError, InputError, PhoenixError
 from .workspace import atomic_write_json, make_temp_dir, sha256_file
@@ -573,10 +574,10 @@ def load_pair(
             draft_model = load_model(draft_ref, dtype, device)
     else:
         draft_ref, draft_model = None, None
-    if head_dir == FROM_CONFIG:
-        head_dir = head_ref(cfg, ws) if draft and draft != SELF and head is None else None
-    if head is None and head_dir and draft and draft != SELF:  # a head beside the draft model
-        head = load_head(cfg, head_dir, target, target_ref)
+    if head is None and draft and draft != SELF:  # a head beside the draft model, if any
+        head_dir = head_ref(cfg, ws) if head_dir == FROM_CONFIG else head_dir
+        if head_dir:
+            head = load_head(cfg, head_dir, target, target_ref)
     eos = eos_ids(tok, target)
     subset = None
     if draft_model is not None and draft_ref != SELF and not full_head:
@@ -633,7 +634,7 @@ def head_ref(cfg, ws) -> str | None:
         return None
     if spec == HEAD_DISTILLED:
         folder = ws.head().merged
-        if not (folder / "config.json").is_file():
+        if not is_verified(folder):
             raise ConfigError(
                 f"models.head=distilled: no merged head at {folder} yet: run train and merge "
                 "first (make train merge), or set models.head=null"

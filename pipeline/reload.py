@@ -78,15 +78,15 @@ class DraftReloader:
                 ref = models.resolve(served.spec, self.ws.models_cache, core.pair.target_ref)
                 if same_draft(ref, core.pair.draft_ref):
                     return {"reloaded": False, "reason": "already serving it", "draft": old}
-                pair = models.load_pair(
-                    self.cfg, self.ws, served.spec, share_target=core.pair, head_dir=served.head
-                )
-                kinds = (pair.engine.drafter is not None, pair.engine.head is not None)
-                if kinds != (core.has_draft, core.has_head):
+                head = models.is_eagle3(ref)
+                if (not head, head or served.head is not None) != (core.has_draft, core.has_head):
                     # The arms this core's policy may pick would change: a new server picks them.
                     return {"reloaded": False, "draft": old,
                             "reason": f"{served.spec} is another kind of draft (draft model, "
                             "EAGLE-3 head): restart the server to serve it"}  # fmt: skip
+                pair = models.load_pair(
+                    self.cfg, self.ws, served.spec, share_target=core.pair, head_dir=served.head
+                )
                 models.compile_engine(self.cfg, self.ws, pair)  # warm before it serves
                 waited = core.swap_draft(pair, served.label, served.describe())
             except Exception as exc:  # noqa: BLE001 - whatever failed, the old draft serves on

@@ -303,6 +303,14 @@ def test_a_head_trained_beside_the_draft_is_benched_and_the_faster_kind_served(
         body = {"model": cfg.models.target, "max_tokens": 8,
                 "messages": [{"role": "user", "content": "Write a function."}]}  # fmt: skip
         assert requests.post(s.url + CHAT, json=body, timeout=60).status_code == 200
+        # The figures flip back: the other kind now wins, but a running server keeps its kind.
+        rows[fast]["tokens_per_second"], rows[slow]["tokens_per_second"] = (
+            rows[slow]["tokens_per_second"], rows[fast]["tokens_per_second"])  # fmt: skip
+        ws.bench_results.write_text(json.dumps(results))
+        out = requests.post(s.url + "/admin/reload-draft", timeout=60).json()
+        assert out["reloaded"] is False and "restart the server" in out["reason"], out
+        info = requests.get(s.url + "/v1/models", timeout=10).json()["data"][0]["metadata"]
+        assert info["draft"]["spec"] == str(ws.merged if head_won else head)
     assert "the bench of" in caplog.text and "target-only" in caplog.text
 
     with pytest.raises(ConfigError, match="models.head=distilled"):
