@@ -95,7 +95,8 @@ def main() -> None:
     elif any(a.needs_head for a in arms):
         draft = models.head_ref(cfg, ws)
     pair = models.load_pair(cfg, ws, draft)
-    print(f"dtype {pair.target.dtype}, draft {draft}", flush=True)
+    compiled = models.compile_engine(cfg, ws, pair)  # as the server does (engine.compile)
+    print(f"dtype {pair.target.dtype}, compiled {compiled}, draft {draft}", flush=True)
     tok = pair.tokenizer
     prompts = [
         models.chat_prompt_ids(tok, [{"role": "user", "content": r["prompt"]}], {})

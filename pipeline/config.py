@@ -145,6 +145,14 @@ class BanditConfig(Section):
         "a bandit row guesses in a step, only if predicted to beat plain by this fraction; "
         "alone, every arm competes and guesses.",
     )
+    bench_prior_rounds: int = Field(
+        200,
+        ge=0,
+        description="goodput: the server's bandit starts from the acceptance per position the "
+        "workspace's bench measured on these exact weights, weighted as this many rounds (live "
+        "requests outweigh it within a few); its warm-up skips the arms it covers once the "
+        "step loop has timed their steps at start-up. 0: every arm is pulled once first.",
+    )
     save_every_s: float = Field(
         5.0, ge=0, description="Write the bandit's state file at most this often (and at exit)."
     )

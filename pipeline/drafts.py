@@ -256,3 +256,58 @@ def _draft_or_head(ws: Workspace, served: ServedDraft) -> ServedDraft:
         return ServedDraft(str(head), served.source, version, h.get("acceptance_rate"), h["mode"],
                            str(results), why=f"the EAGLE-3 head: {figures}")  # fmt: skip
     return replace(served, why=f"the draft model, not the EAGLE-3 head: {figures}")
+
+
+def bench_prior(cfg: Config, ws: Workspace, served: ServedDraft | None) -> tuple[dict, str] | None:
+    """What the workspace's bench measured of the strategies this server runs, for its bandit
+    to start from (`bandit.bench_prior_rounds`): per strategy key (the bandit's: `draft`,
+    `eagle`, `ngram`, with `@bucket` for a sampled bench), (rounds that could guess at position
+    i, proposed at i, accepted at i) summed over the bench's requests; only where the bench ran
+    this target, and, for the draft model and the head, these exact weights. Returns (prior, a
+    line saying where from), or None when nothing fits."""
+    from .speculative.bandit import Context, strategy_of, temperature_bucket
+
+    results = ws.bench_results
+    if cfg.bandit.bench_prior_rounds <= 0 or not results.is_file():
+        return None
+    try:
+        measured = json.loads(results.read_text())
+        if measured.get("target_model") != cfg.models.target:
+            return None
+        temperature = float(measured["protocol"].get("temperature", 0.0))
+        requests = measured["requests"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    weights: dict[str, str | None] = {"ngram": None}
+    if served is not None:
+        spec, head = Path(served.spec), served.head
+        if is_eagle3(served.spec):
+            spec, head = None, served.spec
+        if spec is not None and spec.is_dir():
+            weights["draft"] = weights_id(spec)
+        if head is not None and Path(head).is_dir():
+            weights["eagle"] = weights_id(Path(head))
+    bucket = temperature_bucket(Context(temperature=temperature))
+    sums: dict[str, list[list[float]]] = {}
+    for r in requests:
+        s = strategy_of(r.get("arm", "0"))
+        if s not in weights:
+            continue
+        if s == "draft" and (measured.get("draft_weights") or {}).get(r.get("draft")) != weights[s]:
+            continue
+        if s == "eagle" and measured.get("head_weights") != weights[s]:
+            continue
+        prop, acc = r.get("proposed_per_position") or [], r.get("accepted_per_position") or []
+        rounds = r.get("guess_rounds", r.get("rounds")) or 0
+        key = f"{s}@{bucket}" if bucket else s
+        elig_p_a = sums.setdefault(key, [[], [], []])
+        for part, values in enumerate(([rounds] * len(prop), prop, acc)):
+            row = elig_p_a[part]
+            row.extend([0.0] * (len(values) - len(row)))
+            for i, x in enumerate(values):
+                row[i] += x
+    prior = {k: tuple(v) for k, v in sums.items() if v[0] and v[0][0] > 0}
+    if not prior:
+        return None
+    date = measured.get("environment", {}).get("date", "?")
+    return prior, f"the bench of {date} ({results}): {', '.join(sorted(prior))}"

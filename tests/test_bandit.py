@@ -601,3 +601,41 @@ def test_goodput_prices_an_eagle_head_by_its_own_guessing_cost():
     assert b.predict("eagle:4", cheap) == pytest.approx(2.9 / (0.05 + 0.001 * 5 + 4 * 0.002))
     assert b.choose(cheap).arm == "eagle:4"
     assert b.predict("eagle:4", dear) < b.predict("0", dear) < b.predict("draft:4", dear)
+
+
+def test_a_bench_prior_skips_the_warm_up_of_the_arms_it_measured_once_their_costs_are_timed():
+    """Seeded with the bench's acceptance per position, the goodput bandit's warm-up pulls only
+    plain and the arms the prior does not cover, and only once the loop has timed a step as
+    long as each arm feeds (and its draft pass): it then exploits the predicted best at once.
+    Without the costs, or without the prior, every arm is pulled, as before."""
+    from pipeline.speculative.bandit import Context
+
+    prior = {"draft": ([100, 100, 100, 100], [100, 100, 100, 100], [80, 60, 50, 40])}
+    step, draft = line(0.05, 0.004), line(0.01, 0.0005)
+    timed = Context(rows=1, step_cost=step, draft_cost=draft)
+
+    b = goodput_bandit()
+    assert b.seed(prior, rounds=50) == ["draft"]
+    assert b.positions["draft"][:4] == [50.0] * 4  # scaled to weigh 50 rounds
+    assert b.positions["draft"][8:] == [40.0, 30.0, 25.0, 20.0]
+    picks = [b.choose(timed) for _ in range(3)]
+    # plain (the drift guard's comparison) and ngram:4 (unmeasured) warm up; both draft arms
+    # are known, and draft:4 is the predicted best
+    assert [(d.arm, d.warmup) for d in picks] == [
+        ("0", True),
+        ("ngram:4", True),
+        ("draft:4", False),
+    ]
+
+    untimed = Context(rows=1, step_cost=((1.0, 0.05),), draft_cost=None)
+    b = goodput_bandit()
+    b.seed(prior, rounds=50)
+    assert [b.choose(untimed).arm for _ in range(4)] == ["0", "draft:2", "draft:4", "ngram:4"]
+
+    b = goodput_bandit()  # no prior: every arm in turn
+    assert [b.choose(timed).arm for _ in range(4)] == ["0", "draft:2", "draft:4", "ngram:4"]
+
+    b = goodput_bandit()  # figures already learnt (a restored state) are not overwritten
+    teach(b, "draft:4", 10, [10, 10, 10, 10], [1, 1, 1, 1])
+    assert b.seed(prior, rounds=50) == [] and b.positions["draft"][8] == 1.0
+    assert b.seed({"eagle": ([5], [5], [4])}, rounds=50) == []  # no arm uses the head

@@ -315,3 +315,70 @@ def test_a_head_trained_beside_the_draft_is_benched_and_the_faster_kind_served(
 
     with pytest.raises(ConfigError, match="models.head=distilled"):
         load_config("configs/ci.yaml", ["models.head=distilled", "models.draft=eagle3"])
+
+
+def test_the_bench_prior_takes_only_requests_of_the_served_weights(tmp_path):
+    """`drafts.bench_prior` sums the bench's per-position counts per strategy, keeping draft
+    rows only of the served draft's weights and eagle rows only of the served head's, for the
+    target the bench ran; a bench of another target, or none, gives no prior."""
+    import json
+
+    from pipeline.artifacts import weights_id
+    from pipeline.config import load_config
+    from pipeline.drafts import ServedDraft, bench_prior
+    from pipeline.workspace import Workspace
+
+    ws = Workspace(tmp_path / "art")
+    draft, head = tmp_path / "draft", tmp_path / "head"
+    for d, text in ((draft, b"draft"), (head, b"head")):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(text)
+        (d / "config.json").write_text("{}")
+    cfg = load_config("configs/default.yaml", [])
+    served = ServedDraft(str(draft), "merged", head=str(head))
+    assert bench_prior(cfg, ws, served) is None  # no bench yet
+
+    def req(arm, label, prop, acc, rounds=10):
+        return {"arm": arm, "draft": label, "guess_rounds": rounds, "rounds": rounds,
+                "proposed_per_position": prop, "accepted_per_position": acc}  # fmt: skip
+
+    results = {
+        "target_model": cfg.models.target,
+        "protocol": {"temperature": 0.0},
+        "environment": {"date": "2026-12-05 10:00 UTC"},
+        "draft_weights": {"distilled": weights_id(draft), "other": "elsewhere"},
+        "head_weights": weights_id(head),
+        "requests": [
+            req("0", "none", [], []),
+            req("ngram:4", "none", [4, 4, 3, 3], [2, 1, 1, 0]),
+            req("draft:4", "distilled", [10, 10, 10, 10], [5, 3, 2, 1]),
+            req("draft:4", "other", [10, 10, 10, 10], [9, 9, 9, 9]),  # another draft's weights
+            req("eagle:2", "distilled", [10, 9], [6, 3]),
+            req("eagle:4", "distilled", [10, 10, 9, 8], [7, 4, 2, 1], rounds=10),
+        ],
+    }
+    ws.bench_results.parent.mkdir(parents=True)
+    ws.bench_results.write_text(json.dumps(results))
+    prior, where = bench_prior(cfg, ws, served)
+    assert "2026-12-05 10:00 UTC" in where
+    assert prior["draft"] == ([10.0] * 4, [10.0] * 4, [5.0, 3.0, 2.0, 1.0])
+    assert prior["eagle"] == (
+        [20.0, 20.0, 10.0, 10.0],
+        [20.0, 19.0, 9.0, 8.0],
+        [13.0, 7.0, 2.0, 1.0],
+    )
+    assert prior["ngram"][2] == [2.0, 1.0, 1.0, 0.0]
+    # the head served alone: its rows count, the draft's do not
+    prior, _ = bench_prior(cfg, ws, ServedDraft(str(head), "merged"))
+    assert set(prior) == {
+        "ngram"
+    }  # head dir without an eagle3 config: taken as a draft of other weights
+    results["target_model"] = "another/target"
+    ws.bench_results.write_text(json.dumps(results))
+    assert bench_prior(cfg, ws, served) is None
+    assert (
+        bench_prior(
+            load_config("configs/default.yaml", ["bandit.bench_prior_rounds=0"]), ws, served
+        )
+        is None
+    )

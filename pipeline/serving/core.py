@@ -16,11 +16,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .. import models
+from .. import drafts, models
 from ..artifacts import weights_id
 from ..config import Config
 from ..speculative.arms import parse_arm, usable
-from ..speculative.bandit import Context, per_step
+from ..speculative.bandit import Context, GoodputBandit, per_step
 from ..speculative.batch import RowBatch
 from .policy import Policy, make_policy
 from .request import CoreResult, Mode, Request, parse_mode
@@ -28,6 +28,9 @@ from .scheduler import Job, Scheduler
 from .text import TextTracker
 
 log = logging.getLogger(__name__)
+
+# What `ServingCore.calibrate` generates from (any short prompt: only the steps' times are kept).
+CALIBRATION_PROMPT = "Write a Python function that returns the sum of the squares of a list."
 
 
 class ServingCore:
@@ -143,6 +146,20 @@ class ServingCore:
         draft = batch.draft_cost.curve() if batch.draft_cost.seen else None
         head = batch.head_cost.curve() if batch.head_cost.seen else None
         return self.policy.may_guess(rows, batch.cost.curve(len(rows)), draft, head)
+
+    def calibrate(self, tokens: int = 16) -> None:
+        """Before serving: time one short generation alone per strategy of the bandit's arms (at
+        its largest K) and plain, so the goodput policy prices arms whose acceptance it knows
+        (a bench prior, a restored state) without warm-up requests (`RowBatch.calibrate`)."""
+        top: dict[str, int] = {}
+        for a in map(parse_arm, self.policy.arms):
+            top[a.strategy] = max(top.get(a.strategy, 0), a.k)
+        arms = [parse_arm(f"{s}:{k}" if k else 0) for s, k in top.items()]
+        prompt = self.chat_prompt_ids([{"role": "user", "content": CALIBRATION_PROMPT}])
+        t0 = time.perf_counter()
+        self.scheduler.call(lambda batch: batch.calibrate(prompt, arms, tokens))
+        log.info("step loop: timed %s alone in %.1f s", ", ".join(map(str, arms)),
+                 time.perf_counter() - t0)  # fmt: skip
 
     def submit(self, req: Request) -> None:
         """Hand one request to the loop (does not block): `req.future` gets its CoreResult."""
@@ -264,14 +281,19 @@ def build_core(
         head_dir=served.head if served else None,
     )
     models.compile_engine(cfg, ws, pair)  # before /health says ready: warm, not in a request
-    return make_core(
+    core = make_core(
         cfg,
         pair,
         mode,
         draft_id=served.label if served else None,
         draft_info=served.describe() if served else None,
         state_file=ws.state / "bandit.json",
+        prior=drafts.bench_prior(cfg, ws, served),
     )
+    bandit = core.policy.bandit
+    if isinstance(bandit, GoodputBandit) and bandit.positions:  # acceptance known: time steps
+        core.calibrate()
+    return core
 
 
 def make_core(
@@ -284,12 +306,13 @@ def make_core(
     max_batch: int | None = None,
     policy: str | None = None,
     clock: Callable[[], float] = time.monotonic,
+    prior: tuple[dict, str] | None = None,
 ) -> ServingCore:
     """Every serving core (server, local teacher, bench, tests) is built here, its policy from
     the config's `bandit` section. `mode`: the default mode (default `server.mode`);
     `draft_id`, `draft_info`: the draft's label (tags, metrics) and what /v1/models says of it;
     `max_batch`: rows the loop runs together (default `server.max_batch`); `policy`: another
-    `bandit.policy`."""
+    `bandit.policy`; `prior`: acceptance for the bandit to start from (`drafts.bench_prior`)."""
     has_draft = pair.draft_ref is not None
     runnable = [
         a
@@ -300,7 +323,9 @@ def make_core(
     weights = draft_weights_of(pair) if state_file is not None else None
     return ServingCore(
         pair,
-        make_policy(cfg.bandit, arms, state_file, policy, clock, draft_weights=weights),
+        make_policy(
+            cfg.bandit, arms, state_file, policy, clock, draft_weights=weights, prior=prior
+        ),  # fmt: skip
         model_id=cfg.models.served_name or cfg.models.target,
         draft_id=draft_id if has_draft else None,
         draft_info=draft_info if has_draft else None,

@@ -63,8 +63,12 @@ class Policy:
         save_every_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         draft_weights: str | None = None,
+        prior: tuple[dict, str] | None = None,
+        prior_rounds: float = 0.0,
     ):
-        """`draft_weights`: the served draft's weights id, kept in the state file."""
+        """`draft_weights`: the served draft's weights id, kept in the state file. `prior`:
+        (acceptance per strategy, where it is from; `drafts.bench_prior`) for a goodput bandit
+        to start from where its state has no figures, weighted as `prior_rounds` rounds."""
         self.bandit = bandit
         self.draft_weights = draft_weights
         self.plain_arm = next((a for a in bandit.arms if parse_arm(a).k == 0), None)
@@ -79,6 +83,11 @@ class Policy:
             log.info("bandit state %s: %s", state_file, status)
             if status == "restored":
                 self._check_draft(state_file)
+        self.seeded: list[str] = []  # strategy keys the prior gave figures to
+        if prior is not None and prior_rounds > 0 and isinstance(bandit, GoodputBandit):
+            self.seeded = bandit.seed(prior[0], prior_rounds)
+            if self.seeded:
+                log.info("bandit: acceptance of %s from %s", ", ".join(self.seeded), prior[1])
 
     def _check_draft(self, state_file: Path) -> None:
         """Forget the draft arms if the state measured other draft weights than these."""
@@ -246,10 +255,12 @@ def make_policy(
     policy: str | None = None,
     clock: Callable[[], float] = time.monotonic,
     draft_weights: str | None = None,
+    prior: tuple[dict, str] | None = None,
 ) -> Policy:
     """The policy per the `bandit` section over these arms (`draft_weights`: the served
-    draft's weights id, checked against the state file's)."""
+    draft's weights id, checked against the state file's; `prior`: `drafts.bench_prior`'s,
+    weighted per `bandit.bench_prior_rounds`)."""
     return Policy(
         make_bandit(b, arms, policy), make_guard(b), state_file, b.save_every_s, clock=clock,
-        draft_weights=draft_weights,
+        draft_weights=draft_weights, prior=prior, prior_rounds=b.bench_prior_rounds,
     )  # fmt: skip

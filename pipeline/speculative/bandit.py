@@ -472,12 +472,50 @@ class GoodputBandit(EpsilonGreedy):
             cost += step_seconds(context.head_cost, k)
         return (tokens_o + tokens) / max(cost, 1e-9)
 
+    def seed(self, prior: dict[str, tuple[list, list, list]], rounds: float) -> list[str]:
+        """Start from acceptance measured elsewhere (the bench: `drafts.bench_prior`).
+        `prior[key]`: (rounds that could guess at position i, proposed at i, accepted at i) per
+        strategy key (`_key`: `eagle`, `ngram@2`, ...), scaled to weigh at most `rounds` rounds
+        (the counts decay as live rounds come, so live requests soon outweigh it). Keys with
+        figures already (a restored state) and strategies no arm uses are left alone. Returns
+        the keys seeded."""
+        used = {strategy_of(a) for a in self.arms}
+        seeded = []
+        with self._lock:
+            for key, (elig, prop, acc) in prior.items():
+                if key in self.positions or key.partition("@")[0] not in used:
+                    continue
+                if not elig or elig[0] <= 0:
+                    continue
+                scale = min(1.0, rounds / elig[0])
+                st = self._stats(key)
+                for part, values in enumerate((elig, prop, acc)):
+                    for i, x in enumerate(values[: self.top]):
+                        st[part * self.top + i] = scale * float(x)
+                seeded.append(key)
+        return seeded
+
+    def _known(self, arm, context: Context) -> bool:
+        """Whether `arm` needs no warm-up pull at this context: a speculative arm whose
+        acceptance is known (a prior, or earlier requests) and whose every cost the loop has
+        measured (a step at least as long as it feeds; the draft pass or the head, if it uses
+        one). Plain is always pulled: the drift guard compares with it."""
+        s, k = strategy_of(arm), int(str(arm).partition(":")[2] or 0)
+        if not s or k == 0 or self.predict(arm, context) is None:
+            return False
+        if max(x for x, _ in context.step_cost) < 1 + k:
+            return False
+        if s == "draft" and context.draft_cost is None:
+            return False
+        return not (s == "eagle" and context.head_cost is None)
+
     def choose(self, context: Context | None = None) -> Decision:
         if context is None or context.step_cost is None:
             return super().choose(context)  # no loop figures: the measured means decide
         with self._lock:
-            if (arm := self._warmup_arm()) is not None:
-                return self._decision(arm, True, True, 1.0, context)
+            while (arm := self._warmup_arm()) is not None:
+                if not self._known(arm, context):
+                    return self._decision(arm, True, True, 1.0, context)
             values = {a: self.predict(a, context) for a in self.arms}
             known = {a: v for a, v in values.items() if v is not None}  # arm 0 always is
             eps = self.epsilon()

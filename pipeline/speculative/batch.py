@@ -365,6 +365,18 @@ class RowBatch:
                 next(r for r in self.rows if r.dslot == moved).dslot = row.dslot
         self.rows.remove(row)
 
+    def calibrate(self, prompt: Sequence[int], arms: Sequence[Arm], tokens: int = 16) -> None:
+        """Time the steps each of `arms` makes, one row alone (`tokens` tokens of `prompt`
+        each), into the cost curves, before any request: a policy that knows a strategy's
+        acceptance (`GoodputBandit.seed`) can then price it without a warm-up request. Only
+        on an empty batch (a server's start-up); the rows leave when done."""
+        if self.rows:
+            raise ValueError("calibrate: the batch is not empty")
+        for arm in arms:
+            self.join([("calibrate", prompt, tokens, arm)])
+            while self.rows:
+                self.step()
+
     def step(
         self,
         on_tokens: Callable[[Row], bool] | None = None,
