@@ -1,6 +1,6 @@
 """The step loop in process (no server): 1 and 8 rows of one arm, the held-out prompts, 48 tokens.
 
-    .venv/bin/python -m benchmarks.loop_arms [--mixed | --grid] [--arms 0 ngram:4 eagle:4] [--set k=v ...]
+    .venv/bin/python -m benchmarks.loop_arms [--mixed | --grid | --profile] [--arms 0 ngram:4 eagle:4] [--set k=v ...]
 
 Prints per arm and row count: steps, wall seconds, tokens/s, mean step, and the loop's measured
 step-cost curve ((tokens fed, ms) per size bucket) that the goodput policy predicts with.
@@ -45,6 +45,38 @@ def mixed(pair, prompts) -> None:
             print(f"{name}: {run(arms, gate):.1f} tok/s", flush=True)
 
 
+def profile(pair) -> None:
+    """Where a target pass's time goes: torch's profiler over 10 passes of 1 and of 5 tokens
+    after a 200-token prefill (one row), the matmuls' self time against the pass."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    from pipeline.speculative.rows import RowCache, target_scores
+
+    model = pair.target
+    cache = RowCache(model, 1, 300)
+    slot = cache.alloc()
+    target_scores(model, cache, [slot], [[5] * 200])
+    for n in (1, 5):
+        for _ in range(5):
+            target_scores(model, cache, [slot], [[7] * n])
+            cache.crop(slot, 200)
+        t0 = time.perf_counter()
+        for _ in range(10):
+            target_scores(model, cache, [slot], [[7] * n])
+            cache.crop(slot, 200)
+        plain = (time.perf_counter() - t0) / 10
+        with profiler(activities=[ProfilerActivity.CPU]) as p:
+            for _ in range(10):
+                target_scores(model, cache, [slot], [[7] * n])
+                cache.crop(slot, 200)
+        ms = {e.key: e.self_cpu_time_total / 10_000 for e in p.key_averages()}
+        mm = sum(v for k, v in ms.items() if k in ("aten::mm", "aten::addmm", "aten::bmm"))
+        top = ", ".join(f"{k} {v:.1f}" for k, v in sorted(ms.items(), key=lambda x: -x[1])[:4])
+        print(f"{n} token(s): pass {1000 * plain:.1f} ms unprofiled, matmuls {mm:.1f} ms "
+              f"({mm / (1000 * plain):.0%}); top self times (ms): {top}", flush=True)  # fmt: skip
+
+
 def grid(pair, prompts, arm: str) -> None:
     """A step's time against rows and tokens fed: n rows (1, 2, 4, 8, 16), of which g guess
     with `arm` (0, 1, n/2, n) and the rest are plain; the median step (draft passes excepted,
@@ -82,6 +114,7 @@ def main() -> None:
         action="store_true",
         help="step time against rows and tokens fed, the first of --arms guessing",
     )
+    ap.add_argument("--profile", action="store_true", help="a target pass's time in matmuls")
     ap.add_argument("--set", action="append", default=[], help="config key=value")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -107,6 +140,9 @@ def main() -> None:
         return
     if args.grid:
         grid(pair, prompts, args.arms[0])
+        return
+    if args.profile:
+        profile(pair)
         return
     for arm in args.arms:
         for rows in (1, 8):
