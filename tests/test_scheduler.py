@@ -324,3 +324,42 @@ def test_a_qwen3_pair_runs_the_loop_exactly(model_cache):
     from pipeline.speculative.runner import LeanRunner
 
     assert LeanRunner.supports(eng.target) and eng.target._phoenix_runner is not None
+
+
+def test_calibrating_times_each_strategy_alone_so_a_seeded_bandit_skips_its_warm_up(tiny_models):
+    """`ServingCore.calibrate` runs one short generation per strategy (at its largest K) and
+    plain on the empty loop: afterwards the step curve reaches the longest feed, the draft
+    pass is timed, the batch is empty again, and a bandit seeded with the draft's acceptance
+    pulls only plain and the unmeasured ngram:4 before exploiting a draft arm. Uncalibrated,
+    the same seeded bandit pulls the draft arms too (their costs unknown)."""
+    from tests.servers import tiny_core
+
+    prior = {"draft": ([100] * 8, [100] * 8, [90, 80, 70, 60, 50, 40, 30, 20])}
+
+    def first_choices(core, n):
+        core.policy.bandit.seed(prior, 50)
+        out = []
+        for _ in range(n):
+            d = core.policy.choose(core.context(8))
+            out.append((d.arm, d.warmup))
+        return out
+
+    core = tiny_core(tiny_models)
+    try:
+        core.calibrate(tokens=12)
+        batch = core.scheduler.batch
+        assert not batch.rows and batch.draft_cost.seen
+        assert max(n for n, _ in batch.cost.curve(1)) >= 1 + 8  # draft:8 fed 9 tokens a step
+        got = first_choices(core, 3)
+        assert got[:2] == [("0", True), ("ngram:4", True)]
+        assert got[2][0].startswith("draft:") and not got[2][1]
+    finally:
+        core.scheduler.stop()
+
+    core = tiny_core(tiny_models)
+    try:
+        core.scheduler.call(lambda b: b.calibrate([1, 2, 3], [parse_arm(0)], 4))  # plain only
+        got = first_choices(core, 3)
+        assert got == [("0", True), ("draft:2", True), ("draft:4", True)]
+    finally:
+        core.scheduler.stop()
