@@ -639,3 +639,71 @@ def test_a_bench_prior_skips_the_warm_up_of_the_arms_it_measured_once_their_cost
     teach(b, "draft:4", 10, [10, 10, 10, 10], [1, 1, 1, 1])
     assert b.seed(prior, rounds=50) == [] and b.positions["draft"][8] == 1.0
     assert b.seed({"eagle": ([5], [5], [4])}, rounds=50) == []  # no arm uses the head
+
+
+def test_goodput_counts_the_other_rows_proposals_in_every_rows_step():
+    """A row beside an EAGLE-3 row waits for that row's head each step whatever it runs, so
+    plain beside it is dearer than its target pass alone. With the head's time in the step
+    the second eagle:2 row pays (measured shape, AMD EPYC, 2 rows); priced at the target pass
+    alone, the near-tie rule sends it to plain. `drafting_seconds` sums the rows' proposals:
+    a head's time per eagle row, and one draft pass per position over the rows still guessing."""
+    from types import SimpleNamespace
+
+    from pipeline.speculative.bandit import Context, drafting_seconds
+
+    b = goodput_bandit(arms=("0", "ngram:4", "eagle:2"))
+    for _ in range(3):
+        b.choose()
+    teach(b, "eagle:2", 10, [10, 10], [5, 3])  # 1.8 tokens a step
+    teach(b, "ngram:4", 10, [4, 4, 4, 4], [1, 1, 0, 0])
+    step, head = line(0.028, 0.002), line(0.0, 0.0025)
+
+    def row(k, rounds=0, proposed=0, eagle=False, draft=False):
+        return SimpleNamespace(arm=SimpleNamespace(k=k), rounds=rounds, proposed=proposed,
+                               hcache=object() if eagle else None,
+                               dslot=0 if draft else None)  # fmt: skip
+
+    other = row(2, rounds=10, proposed=20, eagle=True)
+    assert drafting_seconds([other], None, head) == pytest.approx(0.005)
+    assert drafting_seconds([row(4), row(0)], None, head) == 0.0  # lookup and plain: free
+    draft = line(0.010, 0.001)  # guesses 4 and 2: 2 passes over both rows, 2 over one
+    two = [row(4, draft=True), row(2, rounds=5, proposed=10, draft=True)]
+    assert drafting_seconds(two, draft, None) == pytest.approx(2 * 0.012 + 2 * 0.011)
+    ctx = Context(rows=2, step_cost=step, head_cost=head, others_fed=3.0, others_tokens=1.8,
+                  others_drafting=drafting_seconds([other], None, head))  # fmt: skip
+    assert b.predict("0", ctx) == pytest.approx(2.8 / (0.028 + 0.002 * 4 + 0.005))
+    assert b.predict("eagle:2", ctx) == pytest.approx(3.6 / (0.028 + 0.002 * 6 + 0.010))
+    assert b.choose(ctx).arm == "eagle:2"
+    blind = Context(rows=2, step_cost=step, head_cost=head, others_fed=3.0, others_tokens=1.8)
+    assert b.choose(blind).arm == "0"  # the other row's head left out: a near-tie, plain
+
+
+@pytest.mark.parametrize("judged_at_its_run", [True, False])
+def test_the_drift_guard_judges_a_request_at_the_load_it_ran_at(judged_at_its_run):
+    """At 2 clients a request that arrives first joins alone, then runs beside the next: its
+    goodput is a 2-row figure. Here the plain requests joined alone and the speculative ones
+    beside a row, all ran at 2 rows, speculation 1.1x plain's goodput. Judged against plain
+    at the load it joined, each plain request read about twice plain's rate and the guard fell
+    back from speculation that paid (seen at 2 clients on the AMD EPYC); judged at its mean
+    batch (`batch_rows`), nothing falls back. The control half: judged at the load joined."""
+    from pipeline.config import BanditConfig
+    from pipeline.serving.policy import make_policy
+    from pipeline.serving.request import CoreResult, fixed
+    from pipeline.speculative.bandit import Context, Decision
+    from pipeline.speculative.engine import GenerationResult
+
+    p = make_policy(BanditConfig(policy="goodput"), ["0", "ngram:4"])
+    step = line(0.028, 0.002)  # plain: 1 row 33.3 tok/s, 2 rows 62.5 tok/s a row
+    events = []
+    for i in range(8):
+        arm = "0" if i % 2 else "ngram:4"
+        rate = 62.5 * (1.0 if arm == "0" else 1.1)
+        res = GenerationResult([1] * 48, arm, "length", 1.0, 0.0, 1.0, 100,
+                               cost_s=48 / rate, batch_rows=2.0)  # fmt: skip
+        d = Decision(arm, False, False, 0.0, {}, {})
+        rows = 2 if judged_at_its_run else None
+        joined = Context(rows=1 if arm == "0" else 2, step_cost=step)
+        out = CoreResult("", "length", fixed(arm), res, d)
+        events.append(p.reward(d, out, joined, step, rows))
+    fell_back = any(e and e["event"] == "fallback" for e in events)
+    assert fell_back is not judged_at_its_run

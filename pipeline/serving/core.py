@@ -20,7 +20,7 @@ from .. import drafts, models
 from ..artifacts import weights_id
 from ..config import Config
 from ..speculative.arms import parse_arm, usable
-from ..speculative.bandit import Context, GoodputBandit, per_step
+from ..speculative.bandit import Context, GoodputBandit, drafting_seconds, per_step
 from ..speculative.batch import RowBatch
 from .policy import Policy, make_policy
 from .request import CoreResult, Mode, Request, parse_mode
@@ -125,17 +125,20 @@ class ServingCore:
         running = list(batch.rows)
         fed, tokens = per_step(running[: rows - 1])
         plain = max(0, rows - 1 - len(running))  # waiting requests: counted as plain rows
+        draft = batch.draft_cost.curve() if batch.draft_cost.seen else None
+        head = batch.head_cost.curve() if batch.head_cost.seen else None
         return Context(
             prompt_tokens=prompt_tokens,
             queue_depth=others,
             rows=rows,
             step_cost=batch.cost.curve(rows) if batch.cost.seen else None,
-            draft_cost=batch.draft_cost.curve() if batch.draft_cost.seen else None,
-            draft_rows=sum(1 for r in running if r.dslot is not None),
-            head_cost=batch.head_cost.curve() if batch.head_cost.seen else None,
+            draft_cost=draft,
+            draft_rows=sum(1 for r in running[: rows - 1] if r.dslot is not None),
+            head_cost=head,
             temperature=temperature,
             others_fed=fed + plain,
             others_tokens=tokens + plain,
+            others_drafting=drafting_seconds(running[: rows - 1], draft, head),
         )
 
     def _gate(self, rows: list) -> list[bool]:
@@ -210,9 +213,11 @@ class ServingCore:
             # A reward earned (even in part) on a draft swapped out since is not the new one's.
             stale = arm.needs_draft and job.epoch != self.draft_epoch
             if decision is not None and not cancelled and not stale:
-                # The drift guard compares with plain at this load by the step costs measured now.
-                cost = self.scheduler.batch.cost.curve(context.rows)
-                out.guard_event = self.policy.reward(decision, out, context, cost)
+                # The drift guard compares with plain at the load the request ran at (its mean
+                # batch), by the step costs measured now.
+                load = max(1, round(res.batch_rows))
+                cost = self.scheduler.batch.cost.curve(load)
+                out.guard_event = self.policy.reward(decision, out, context, cost, load)
             req.future.set_result(out)
 
         self.scheduler.submit(

@@ -37,6 +37,7 @@ from ..speculative.bandit import (
     DriftGuard,
     EpsilonGreedy,
     GoodputBandit,
+    drafting_seconds,
     load_bandit,
     per_step,
     save_bandit,
@@ -138,6 +139,7 @@ class Policy:
                 out.append(True)
                 continue
             f, t = per_step([r])
+            others = [o for o in rows if o is not r]
             context = Context(
                 rows=len(rows),
                 step_cost=step_cost,
@@ -147,16 +149,22 @@ class Policy:
                 temperature=r.sampling.temperature,
                 others_fed=fed - f,
                 others_tokens=tokens - t,
+                others_drafting=drafting_seconds(others, draft_cost, head_cost),
             )
             out.append(self.bandit.pays(str(r.arm), context))
         return out
 
     def reward(
-        self, decision: Decision, result, context: Context, step_cost: tuple | None = None
-    ) -> dict | None:
+        self, decision: Decision, result, context: Context, step_cost: tuple | None = None,
+        rows: int | None = None,
+    ) -> dict | None:  # fmt: skip
         """Teach the bandit one finished request (`result`: its CoreResult, chosen in
-        `context`); returns the drift guard's event, if any. `step_cost`: the step loop's measured
-        curve now (default the context's), for the guard's plain rate at the request's load."""
+        `context`); returns the drift guard's event, if any. The guard judges the request's
+        goodput against plain's at the load it ran at: `rows`, its mean batch (default the
+        context's: what it joined), and `step_cost`, the step loop's measured curve for that
+        many rows now (default the context's). (Judged at the load it joined, a request that
+        arrived alone and then ran beside another read 1.8x plain at 2 clients, and the guard
+        fell back from speculation that paid.)"""
         res = result.result
         reward = result.goodput
         weight = max(res.cost_s or res.latency_s, 1e-6)  # an arm's mean: its tokens over its time
@@ -170,7 +178,8 @@ class Policy:
             self.bandit.update(decision.arm, reward, context, res.acceptance, weight)
         self._dirty = True
         self.save(force=False)
-        base = plain_rate(replace(context, step_cost=step_cost or context.step_cost))
+        load = replace(context, rows=rows or context.rows, step_cost=step_cost or context.step_cost)
+        base = plain_rate(load)
         if self.guard is None or base is None:  # no cost figures yet: nothing to compare with
             return None
         figure = reward / base  # relative to plain at this load

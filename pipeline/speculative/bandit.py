@@ -64,6 +64,9 @@ class Context:
     # What the other rows of that batch feed and commit per step (None: rows - 1 plain rows).
     others_fed: float | None = None
     others_tokens: float | None = None
+    # What the other rows' proposals add to every step: their draft-model passes and head
+    # passes (`drafting_seconds`), which a plain row waits for as much as a guessing one.
+    others_drafting: float = 0.0
     temperature: float = 0.0  # the request's sampling temperature (acceptance falls as it rises)
 
 
@@ -106,6 +109,31 @@ def per_step(rows) -> tuple[float, float]:
         fed += 1 + (r.proposed / n if n else r.arm.k)
         tokens += 1 + (r.accepted / n if n else 0.0)
     return fed, tokens
+
+
+def drafting_seconds(rows, draft_cost, head_cost) -> float:
+    """Seconds a step of the step loop's `rows` (`batch.Row`) spends on their proposals, from
+    the loop's curves (`Context.draft_cost`, `head_cost`; None: not measured, 0): the draft
+    model's rows share one batched pass per position, each over the rows still guessing; an
+    EAGLE-3 row takes its share of the head's passes for its guesses; prompt lookup is free.
+    Each row's guesses per step are its own mean so far (not stepped yet: its k)."""
+
+    def guesses(r) -> float:
+        return r.proposed / r.rounds if r.rounds else float(r.arm.k)
+
+    seconds = 0.0
+    if head_cost:
+        seconds += sum(step_seconds(head_cost, g) for r in rows
+                       if r.hcache is not None and (g := guesses(r)) > 0)  # fmt: skip
+    if draft_cost:
+        ks = sorted((guesses(r) for r in rows if r.dslot is not None), reverse=True)
+        done = 0.0
+        for m in range(len(ks), 0, -1):  # the passes over m rows: up to the m-th longest guess
+            passes = ks[m - 1] - done
+            if passes > 0:
+                seconds += passes * step_seconds(draft_cost, m)
+                done = ks[m - 1]
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -406,7 +434,14 @@ class GoodputBandit(EpsilonGreedy):
                                                   accepted
         fed(s:k)    = 1 + sum_{i<k} Q_s[i]       Q_s[i]: share of them that guessed there
         draft(s:k)  = [s = draft] * k * (D(1) if no other row drafts, else D(m + 1) - D(m))
-        goodput     = (R_o + tokens) / (S(F_o + fed) + draft)      (arm 0: (R_o + 1) / S(F_o + 1))
+                      + [s = eagle] * H(k)                 H: the head's time for a row's k
+        goodput     = (R_o + tokens) / (S(F_o + fed) + P_o + draft)
+                                                  (arm 0: (R_o + 1) / (S(F_o + 1) + P_o))
+
+    with P_o what the other rows' proposals add to every step (`drafting_seconds`: a row beside
+    an EAGLE-3 row waits for its head whatever it runs itself; leaving P_o out priced a plain
+    row beside one at the target pass alone, and at 2 rows sent the second request to plain
+    where two eagle:2 rows commit more, measured on the AMD EPYC). This is
 
     the batch's goodput with this row in it: a row's guesses are charged at their marginal cost,
     the time they add to every row's step. One client (R_o = F_o = 0): a pass of a few tokens
@@ -455,7 +490,8 @@ class GoodputBandit(EpsilonGreedy):
         tokens_o = n - 1 if context.others_tokens is None else context.others_tokens
         s, k = strategy_of(arm), int(str(arm).partition(":")[2] or 0)
         if not s or k == 0:
-            return (tokens_o + 1) / max(step_seconds(context.step_cost, fed_o + 1), 1e-9)
+            plain = step_seconds(context.step_cost, fed_o + 1) + context.others_drafting
+            return (tokens_o + 1) / max(plain, 1e-9)
         # Acceptance at this temperature; until it is measured, the greedy figures stand in.
         st = self.positions.get(self._key(s, context)) or self.positions.get(s)
         top = self.top
@@ -464,7 +500,8 @@ class GoodputBandit(EpsilonGreedy):
         elig, prop, acc = st[:top], st[top : 2 * top], st[2 * top :]
         tokens = 1 + sum(acc[i] / elig[i] for i in range(k))
         fed = 1 + sum(prop[i] / elig[i] for i in range(k))
-        cost = step_seconds(context.step_cost, fed_o + fed)  # the whole batch's step
+        # The whole batch's step: its target pass and the other rows' proposals.
+        cost = step_seconds(context.step_cost, fed_o + fed) + context.others_drafting
         if s == "draft" and context.draft_cost is not None:
             d, m = context.draft_cost, context.draft_rows  # m other rows draft already
             cost += k * max(0.0, step_seconds(d, m + 1) - (step_seconds(d, m) if m else 0.0))
