@@ -123,7 +123,8 @@ class ServingCore:
         others = s.running + s.waiting
         rows = min(batch.max_rows, others + 1)
         running = list(batch.rows)
-        fed, tokens = per_step(running[: rows - 1])
+        beside = running[: rows - 1]  # the rows it would run beside
+        fed, tokens = per_step(beside)
         plain = max(0, rows - 1 - len(running))  # waiting requests: counted as plain rows
         draft = batch.draft_cost.curve() if batch.draft_cost.seen else None
         head = batch.head_cost.curve() if batch.head_cost.seen else None
@@ -133,12 +134,12 @@ class ServingCore:
             rows=rows,
             step_cost=batch.cost.curve(rows) if batch.cost.seen else None,
             draft_cost=draft,
-            draft_rows=sum(1 for r in running[: rows - 1] if r.dslot is not None),
+            draft_rows=sum(1 for r in beside if r.dslot is not None),
             head_cost=head,
             temperature=temperature,
             others_fed=fed + plain,
             others_tokens=tokens + plain,
-            others_drafting=drafting_seconds(running[: rows - 1], draft, head),
+            others_drafting=drafting_seconds(beside, draft, head),
         )
 
     def _gate(self, rows: list) -> list[bool]:

@@ -59,7 +59,7 @@ class Context:
     step_cost: tuple[tuple[float, float], ...] | None = None
     draft_cost: tuple[tuple[float, float], ...] | None = None
     draft_rows: int = 0  # rows drafting with the draft model now (without this one)
-    # An eagle row's guessing, against its guesses (rows draft one after another: no sharing).
+    # An eagle row's share of the head's passes, against its guesses (eagle rows draft together).
     head_cost: tuple[tuple[float, float], ...] | None = None
     # What the other rows of that batch feed and commit per step (None: rows - 1 plain rows).
     others_fed: float | None = None
@@ -441,10 +441,10 @@ class GoodputBandit(EpsilonGreedy):
     with P_o what the other rows' proposals add to every step (`drafting_seconds`: a row beside
     an EAGLE-3 row waits for its head whatever it runs itself; leaving P_o out priced a plain
     row beside one at the target pass alone, and at 2 rows sent the second request to plain
-    where two eagle:2 rows commit more, measured on the AMD EPYC). This is
+    where two eagle:2 rows commit more, measured on the AMD EPYC).
 
-    the batch's goodput with this row in it: a row's guesses are charged at their marginal cost,
-    the time they add to every row's step. One client (R_o = F_o = 0): a pass of a few tokens
+    This is the batch's goodput with this row in it: a row's guesses are charged at their
+    marginal cost, the time they add to every row's step. One client (R_o = F_o = 0): a pass of a few tokens
     costs about one token's, and drafting pays as far as acceptance carries it. Beside n - 1
     plain rows the row's extra tokens are a 1/n gain to the batch, against what its guesses add
     to the whole step: on a CPU, where a pass grows with every token past a few, the policy
