@@ -311,7 +311,7 @@ def why_of(ph: dict | None) -> str | None:
     """How Phoenix's bandit chose a request's arm (None: not a bandit request)."""
     if not ph or ph.get("explored") is None:
         return None
-    for key in ("warmup", "probe", "fallback", "explored"):
+    for key in ("warmup", "probe", "fallback", "explored", "deferred"):
         if ph.get(key):
             return key
     return "exploited"

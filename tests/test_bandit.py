@@ -4,6 +4,7 @@ import random
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -676,6 +677,31 @@ def test_goodput_counts_the_other_rows_proposals_in_every_rows_step():
     assert b.choose(ctx).arm == "eagle:2"
     blind = Context(rows=2, step_cost=step, head_cost=head, others_fed=3.0, others_tokens=1.8)
     assert b.choose(blind).arm == "0"  # the other row's head left out: a near-tie, plain
+
+
+def test_a_request_that_plain_wins_beside_a_plain_row_gets_the_gated_guesser_if_it_pays_alone():
+    """Beside a plain row a second guesser can lose to plain (a guess beside a plain row
+    gained 3% at 2 clients, two guessing rows 1.12-1.20x; AMD EPYC, eagle:2), and a plain arm
+    is for the request's life, so plain beside plain stayed plain. Where a speculative arm
+    wins alone, the request gets the best speculative arm at this load, deferred to the step
+    loop's gate; where none wins alone (or the one-row curve is unknown), plain."""
+    from pipeline.speculative.bandit import Context
+
+    b = goodput_bandit(arms=("0", "ngram:4", "eagle:2"))
+    for _ in range(3):
+        b.choose()
+    teach(b, "eagle:2", 10, [10, 10], [5, 3])  # 1.8 tokens a step
+    teach(b, "ngram:4", 10, [4, 4, 4, 4], [1, 1, 0, 0])  # 1.2 tokens for 5 fed
+    steep, flat, head = line(0.028, 0.02), line(0.028, 0.0005), line(0.0, 0.0025)
+    beside = Context(rows=2, step_cost=steep, head_cost=head, others_fed=1.0, others_tokens=1.0)
+    assert b.predict("eagle:2", beside) < b.predict("0", beside)  # plain wins at this load
+    d = b.choose(replace(beside, alone_cost=flat))  # alone: eagle:2 52 tok/s, plain 35
+    assert (d.arm, d.deferred, d.explored) == ("eagle:2", True, False)
+    d = b.choose(replace(beside, alone_cost=steep))  # alone: eagle:2 19.4 tok/s, plain 20.8
+    assert (d.arm, d.deferred) == ("0", False)
+    assert (b.choose(beside).arm, b.choose(beside).deferred) == ("0", False)
+    alone = b.choose(Context(rows=1, step_cost=flat, head_cost=head, alone_cost=flat))
+    assert (alone.arm, alone.deferred) == ("eagle:2", False)  # chosen outright, not deferred
 
 
 @pytest.mark.parametrize("judged_at_its_run", [True, False])

@@ -383,13 +383,13 @@ def test_a_qwen3_pair_runs_the_loop_exactly(model_cache):
     assert LeanRunner.supports(eng.target) and eng.target._phoenix_runner is not None
 
 
-def test_calibrating_times_each_strategy_alone_so_a_seeded_bandit_skips_its_warm_up(tiny_models):
-    """`ServingCore.calibrate` runs one short generation per strategy (at its largest K) and
-    plain on the empty loop: afterwards the step curve reaches the longest feed, the draft
+def test_calibrating_times_each_arm_alone_so_a_seeded_bandit_skips_its_warm_up(tiny_models):
+    """`ServingCore.calibrate` runs one short generation per arm (every K) and plain on the
+    empty loop: afterwards the step curve has each arm's feed, the draft
     pass is timed, the batch is empty again, and a bandit seeded with the draft's acceptance
     pulls only plain and the unmeasured ngram:4 before exploiting a draft arm. Uncalibrated,
     the same seeded bandit pulls the draft arms too (their costs unknown)."""
-    from tests.servers import tiny_core
+    from tests.servers import TINY_ARMS, tiny_core
 
     prior = {"draft": ([100] * 8, [100] * 8, [90, 80, 70, 60, 50, 40, 30, 20])}
 
@@ -403,8 +403,11 @@ def test_calibrating_times_each_strategy_alone_so_a_seeded_bandit_skips_its_warm
 
     core = tiny_core(tiny_models)
     try:
-        core.calibrate(tokens=12)
         batch = core.scheduler.batch
+        timed, join = [], batch.join
+        batch.join = lambda reqs: (timed.extend(str(r[3]) for r in reqs), join(reqs))[1]
+        core.calibrate(tokens=12)
+        assert sorted(timed) == sorted(TINY_ARMS)  # every K: a head's price grows with it
         assert not batch.rows and batch.draft_cost.seen
         assert max(n for n, _ in batch.cost.curve(1)) >= 1 + 8  # draft:8 fed 9 tokens a step
         got = first_choices(core, 3)

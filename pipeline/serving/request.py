@@ -144,6 +144,7 @@ class CoreResult:
             "warmup": d.warmup if d else None,
             "fallback": d.fallback if d else None,  # held to plain generation by the drift guard
             "probe": d.probe if d else None,  # the drift guard's probe of the best speculative arm
+            "deferred": d.deferred if d else None,  # plain won at its load: the gate decides
             "epsilon": d.epsilon if d else None,
             "guard_event": self.guard_event["event"] if self.guard_event else None,
         }
