@@ -865,8 +865,8 @@ def usage_of(rec: dict, n_prompt: int) -> dict:
 PHOENIX_FIELDS = (
     "mode", "arm", "proposed", "accepted", "rounds", "acceptance", "tokens_per_second",
     "latency_s", "draft_s", "verify_s", "accepted_per_position", "proposed_per_position",
-    "explored", "warmup", "probe", "fallback", "guard_event", "epsilon", "goodput", "batch_rows",
-    "queued_s", "rows", "guess_rounds",
+    "explored", "warmup", "probe", "fallback", "deferred", "guard_event", "epsilon", "goodput",
+    "batch_rows", "queued_s", "rows", "guess_rounds",
 )  # fmt: skip
 
 

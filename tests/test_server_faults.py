@@ -299,6 +299,7 @@ def test_a_draft_made_slow_mid_run_falls_back_to_plain_then_recovers(model_cache
     fast = [x for x in resp if x["phase"] == "fast"]
     assert [x["arm"] for x in fast] == ["0"] + ["draft:4"] * 7
     assert not any(x["fallback"] or x["guard_event"] for x in fast)  # drafting paid: no alarm
+    assert [x["deferred"] for x in fast] == [False] * 8  # one client: every arm chosen outright
     slow = [x for x in resp if x["phase"] == "slow"]
     assert slow[-1]["guard_event"] == "fallback" and len(slow) <= 4, resp
     assert all(x["arm"] == "draft:4" for x in slow), resp  # the bandit alone kept exploiting it
