@@ -387,7 +387,7 @@ def test_calibrating_times_each_arm_alone_so_a_seeded_bandit_skips_its_warm_up(t
     """`ServingCore.calibrate` runs one short generation per arm (every K) and plain on the
     empty loop: afterwards the step curve has each arm's feed, the draft
     pass is timed, the batch is empty again, and a bandit seeded with the draft's acceptance
-    pulls only plain and the unmeasured ngram:4 before exploiting a draft arm. Uncalibrated,
+    pulls only plain and the unmeasured ngram:4 before it exploits. Uncalibrated,
     the same seeded bandit pulls the draft arms too (their costs unknown)."""
     from tests.servers import TINY_ARMS, tiny_core
 
@@ -412,7 +412,7 @@ def test_calibrating_times_each_arm_alone_so_a_seeded_bandit_skips_its_warm_up(t
         assert max(n for n, _ in batch.cost.curve(1)) >= 1 + 8  # draft:8 fed 9 tokens a step
         got = first_choices(core, 3)
         assert got[:2] == [("0", True), ("ngram:4", True)]
-        assert got[2][0].startswith("draft:") and not got[2][1]
+        assert not got[2][1], got  # exploiting: which arm wins is the machine's timing
     finally:
         core.scheduler.stop()
 
