@@ -683,8 +683,8 @@ def test_a_request_that_plain_wins_beside_a_plain_row_gets_the_gated_guesser_if_
     """Beside a plain row a second guesser can lose to plain (a guess beside a plain row
     gained 3% at 2 clients, two guessing rows 1.12-1.20x; AMD EPYC, eagle:2), and a plain arm
     is for the request's life, so plain beside plain stayed plain. Where a speculative arm
-    wins alone, the request gets the best speculative arm at this load, deferred to the step
-    loop's gate; where none wins alone (or the one-row curve is unknown), plain."""
+    wins alone, the request gets that strategy at the K best at this load, deferred to the
+    step loop's gate; where none wins alone (or the one-row curve is unknown), plain."""
     from pipeline.speculative.bandit import Context
 
     b = goodput_bandit(arms=("0", "ngram:4", "eagle:2"))
@@ -702,6 +702,15 @@ def test_a_request_that_plain_wins_beside_a_plain_row_gets_the_gated_guesser_if_
     assert (b.choose(beside).arm, b.choose(beside).deferred) == ("0", False)
     alone = b.choose(Context(rows=1, step_cost=flat, head_cost=head, alone_cost=flat))
     assert (alone.arm, alone.deferred) == ("eagle:2", False)  # chosen outright, not deferred
+    # Beside 3 plain rows prompt lookup predicts best of the guessers (no head to wait for),
+    # but the gate lets the row guess where the batch thins, where eagle:2 wins: that is the
+    # strategy deferred to (prompt lookup, deferred at 4 clients, guessed at acceptance 0.18).
+    curve, head = line(0.03, 0.0005), line(0.0, 0.005)
+    crowded = Context(rows=4, step_cost=curve, head_cost=head, others_fed=3.0, others_tokens=3.0)
+    v = {a: b.predict(a, crowded) for a in b.arms}
+    assert v["eagle:2"] < v["ngram:4"] < 1.05 * v["0"]  # plain chosen, ngram:4 the best guesser
+    d = b.choose(replace(crowded, alone_cost=curve))  # alone: eagle:2 43.4, ngram:4 38.3, 0 32.8
+    assert (d.arm, d.deferred) == ("eagle:2", True)
 
 
 @pytest.mark.parametrize("judged_at_its_run", [True, False])
