@@ -143,7 +143,15 @@ class BanditConfig(Section):
         ge=0,
         description="goodput: beside other rows, a speculative arm is chosen (or explored), and "
         "a bandit row guesses in a step, only if predicted to beat plain by this fraction; "
-        "alone, every arm competes and guesses.",
+        "alone, every arm competes and guesses. This is the margin at 2 rows; it grows by "
+        "speculate_margin_per_row for every row past two.",
+    )
+    speculate_margin_per_row: float = Field(
+        0.05,
+        ge=0,
+        description="goodput: what speculate_margin grows by for every row past two (the "
+        "prediction of a step errs more, towards guessing, as rows grow: measured on a 2-core "
+        "CPU, docs/serving.md). 0: one margin at every load.",
     )
     bench_prior_rounds: int = Field(
         200,

@@ -542,6 +542,38 @@ def test_goodput_beside_other_rows_a_near_tie_goes_to_plain():
     assert "ngram:2" in {b.choose(ctx).arm for _ in range(40)}
 
 
+@pytest.mark.parametrize("per_row", [0.05, 0.0])
+def test_goodput_the_margin_a_guess_must_beat_grows_with_the_rows(per_row):
+    """A guess predicted 10% above plain: at 2 rows it passes the 5% margin, at 4 rows the
+    margin is 15% (5% more a row past two) and the row is held back, and no speculative arm is
+    chosen there; control: with no growth (`margin_per_row` 0) it guesses at 4 rows too."""
+    from pipeline.speculative.bandit import Context
+
+    b = goodput_bandit(arms=("0", "ngram:2"), speculate_margin=0.05, margin_per_row=per_row)
+    for _ in range(2):
+        b.choose()
+    curve = line(0.03, 0.001)
+
+    def at(rows: int) -> Context:
+        """Teach ngram:2 the acceptance that predicts 1.10-1.11x plain at `rows`."""
+        ctx = Context(rows=rows, step_cost=curve)
+        for hit in range(0, 1001):
+            b.positions.clear()
+            teach(b, "ngram:2", 1000, [1000, 0], [hit, 0])
+            if b.predict("ngram:2", ctx) >= 1.10 * b.predict("0", ctx):
+                assert b.predict("ngram:2", ctx) < 1.11 * b.predict("0", ctx)
+                return ctx
+        raise AssertionError("no acceptance reaches that gain")
+
+    assert b.margin(2) == pytest.approx(0.05) and b.margin(1) == pytest.approx(0.05)
+    assert b.pays("ngram:2", at(2))
+    assert b.choose(at(2)).arm == "ngram:2"
+    four = at(4)
+    assert b.margin(4) == pytest.approx(0.05 + 2 * per_row)
+    assert b.pays("ngram:2", four) is (per_row == 0)
+    assert b.choose(four).arm == ("ngram:2" if per_row == 0 else "0")
+
+
 def test_policy_saves_state_at_most_every_interval_on_its_clock(tmp_path):
     """The state file is written by the first reward after `save_every_s` of the injected
     clock, and by save(); fake time, no sleeps."""

@@ -240,8 +240,9 @@ def make_bandit(
         return ContextualBandit(*args, prior_weight=b.prior_weight, **kw)
     if policy == "goodput":
         return GoodputBandit(
-            *args, explore_margin=b.explore_margin, speculate_margin=b.speculate_margin, **kw
-        )
+            *args, explore_margin=b.explore_margin, speculate_margin=b.speculate_margin,
+            margin_per_row=b.speculate_margin_per_row, **kw,
+        )  # fmt: skip
     return EpsilonGreedy(*args, explore="uniform" if policy == "seed" else "plausible", **kw)
 
 
