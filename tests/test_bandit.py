@@ -542,6 +542,26 @@ def test_goodput_beside_other_rows_a_near_tie_goes_to_plain():
     assert "ngram:2" in {b.choose(ctx).arm for _ in range(40)}
 
 
+def test_goodput_prices_a_step_per_number_of_guesses_not_at_the_mean_feed():
+    """Prompt lookup guesses all its k or nothing: half its rounds feed 5 tokens, half 1 (a
+    mean of 3). On a pass flat to 4 tokens and steep past them, its step is the mean of S(1)
+    and S(5), not S(3) (the flat price made it tie with eagle:2 at 2 clients, where it lost).
+    An arm that always guesses its k is priced at S(1 + k) either way."""
+    from pipeline.speculative.bandit import Context, step_seconds
+
+    b = goodput_bandit(arms=("0", "ngram:4", "eagle:2"))
+    for _ in range(3):
+        b.choose()
+    teach(b, "ngram:4", 10, [5, 5, 5, 5], [4, 3, 2, 1])  # 2 tokens a round on average
+    teach(b, "eagle:2", 10, [10, 10], [6, 4])
+    curve = ((1.0, 0.030), (4.0, 0.030), (8.0, 0.070))
+    ctx = Context(rows=1, step_cost=curve)
+    assert step_seconds(curve, 3) == pytest.approx(0.030)  # the mean feed: 3 tokens, flat
+    mixed = (step_seconds(curve, 1) + step_seconds(curve, 5)) / 2
+    assert b.predict("ngram:4", ctx) == pytest.approx(2.0 / mixed)  # 2 / 0.035, not 2 / 0.03
+    assert b.predict("eagle:2", ctx) == pytest.approx(2.0 / step_seconds(curve, 3))
+
+
 @pytest.mark.parametrize("per_row", [0.05, 0.0])
 def test_goodput_the_margin_a_guess_must_beat_grows_with_the_rows(per_row):
     """A guess predicted 10% above plain: at 2 rows it passes the 5% margin, at 4 rows the

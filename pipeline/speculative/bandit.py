@@ -434,16 +434,25 @@ class GoodputBandit(EpsilonGreedy):
         tokens(s:k) = 1 + sum_{i<k} P_s[i]       P_s[i]: share of s's rounds that could guess
                                                   at position i whose guesses 1..i+1 were all
                                                   accepted
-        fed(s:k)    = 1 + sum_{i<k} Q_s[i]       Q_s[i]: share of them that guessed there
+        step(s:k)   = sum_{j<=k} (Q_s[j-1] - Q_s[j]) * S(F_o + 1 + j)
+                                                  Q_s[i]: share of them that guessed there
+                                                  (Q_s[-1] = 1, Q_s[k] = 0): the step
+                                                  priced per number of guesses j
         draft(s:k)  = [s = draft] * k * (D(1) if no other row drafts, else D(m + 1) - D(m))
                       + [s = eagle] * H(k)                 H: the head's time for a row's k
-        goodput     = (R_o + tokens) / (S(F_o + fed) + P_o + draft)
+        goodput     = (R_o + tokens) / (step + P_o + draft)
                                                   (arm 0: (R_o + 1) / (S(F_o + 1) + P_o))
 
     with P_o what the other rows' proposals add to every step (`drafting_seconds`: a row beside
     an EAGLE-3 row waits for its head whatever it runs itself; leaving P_o out priced a plain
     row beside one at the target pass alone, and at 2 rows sent the second request to plain
     where two eagle:2 rows commit more, measured on the AMD EPYC).
+
+    The step is priced per number of guesses, not at the mean feed: a pass's time is flat for
+    a few tokens, then grows, and prompt lookup guesses all its k or none (no match). At its
+    mean feed (1.8 guesses for ngram:4 in the bench) its steps looked as cheap as an eagle:2
+    row's, while two in five of them fed 5 tokens; at 2 clients it got 13 of 32 requests, and
+    the bandit read 1.05x target-only where eagle:2 for every request read 1.23x (AMD EPYC).
 
     Where plain wins beside other rows but a speculative arm would win alone, the request
     still gets that arm's strategy, at the K predicted best at this load (`Decision.deferred`;
@@ -515,9 +524,13 @@ class GoodputBandit(EpsilonGreedy):
             return None  # a position this arm guesses at was never measured
         elig, prop, acc = st[:top], st[top : 2 * top], st[2 * top :]
         tokens = 1 + sum(acc[i] / elig[i] for i in range(k))
-        fed = 1 + sum(prop[i] / elig[i] for i in range(k))
-        # The whole batch's step: its target pass and the other rows' proposals.
-        cost = step_seconds(context.step_cost, fed_o + fed) + context.others_drafting
+        # The whole batch's step, per number of guesses (class docstring), and the other rows'
+        # proposals.
+        cost, last = context.others_drafting, 1.0  # last: the share that guessed j or more
+        for j in range(k + 1):
+            more = min(last, prop[j] / elig[j]) if j < k else 0.0  # ... j + 1 or more
+            cost += (last - more) * step_seconds(context.step_cost, fed_o + 1 + j)
+            last = more
         if s == "draft" and context.draft_cost is not None:
             d, m = context.draft_cost, context.draft_rows  # m other rows draft already
             cost += k * max(0.0, step_seconds(d, m + 1) - (step_seconds(d, m) if m else 0.0))
@@ -621,9 +634,9 @@ class GoodputBandit(EpsilonGreedy):
         """How far a guess must be predicted to beat plain beside other rows: `speculate_margin`
         at 2 rows, and `margin_per_row` more for every row past two. The prediction errs more
         the more rows a step holds, and towards guessing: on the AMD EPYC (serving_load, 1 to
-        8 clients on one server), guessing predicted to pay 5% paid 14-17% at 2 clients but
-        lost 6-8% at 4; with a flat 15% the bandit held 0.99-1.02x target-only at 4 and 8
-        clients and stopped guessing at 2 (0.96x). A near-tie goes to plain: a wrong guess
+        8 clients on one server), with a flat 5% the bandit read 1.14-1.17x target-only at 2
+        clients but 0.92-0.94x at 4; with a flat 15%, 0.99-1.02x at 4 and 8 clients, but it
+        stopped guessing at 2 (0.96x). A near-tie goes to plain: a wrong guess
         costs every row beside it."""
         return self.speculate_margin + self.margin_per_row * max(0, rows - 2)
 
