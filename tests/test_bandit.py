@@ -732,6 +732,45 @@ def test_goodput_counts_the_other_rows_proposals_in_every_rows_step():
     assert b.choose(blind).arm == "0"  # the other row's head left out: a near-tie, plain
 
 
+def test_an_eagle_row_pays_its_read_and_what_it_adds_to_the_shared_head_passes():
+    """The head's passes are batched (a pass over two rows costs little more than over one),
+    and each row's first guess is its own read. So a guessing eagle row costs every row beside
+    it its whole head (read + passes), and an eagle row beside another eagle row adds its read
+    and the growth of the shared passes: priced as an equal share of a mixed step, a guess
+    beside a guessing row paid too much, and plain beside it too little."""
+    from types import SimpleNamespace
+
+    from pipeline.speculative.bandit import Context, drafting_seconds
+
+    b = goodput_bandit(arms=("0", "eagle:4"))
+    for _ in range(2):
+        b.choose()
+    teach(b, "eagle:4", 10, [10, 10, 10, 10], [6, 4, 3, 2])  # 2.5 tokens a step
+    step = line(0.028, 0.002)
+    head = ((1.0, 0.0032), (2.0, 0.0034), (4.0, 0.0036), (8.0, 0.0040))  # batched: flat-ish
+
+    def eagle(k, rounds=0, proposed=0):
+        return SimpleNamespace(arm=SimpleNamespace(k=k), rounds=rounds, proposed=proposed,
+                               hcache=object(), dslot=None)  # fmt: skip
+
+    one = eagle(4, rounds=10, proposed=30)  # 3 guesses a step: its read, then 2 passes
+    assert drafting_seconds([one], None, head) == pytest.approx(0.0032 + 2 * 0.0032)
+    two = [one, eagle(2)]  # reads 2 x H(1); 1 pass over both, 1 over the first
+    assert drafting_seconds(two, None, head) == pytest.approx(2 * 0.0032 + 0.0034 + 0.0032)
+    mixed = Context(rows=2, step_cost=step, head_cost=head, others_fed=4.0, others_tokens=2.5,
+                    others_drafting=drafting_seconds([one], None, head))  # fmt: skip
+    base = 0.028 + mixed.others_drafting
+    assert b.predict("0", mixed) == pytest.approx(3.5 / (base + 0.002 * 5))
+    guessing = replace(mixed, head_rows=1)  # its read, and 3 passes grown from 1 row to 2
+    own = 0.0032 + 3 * 0.0002
+    tokens = 2.5 + 1 + 0.6 + 0.4 + 0.3 + 0.2
+    assert b.predict("eagle:4", guessing) == pytest.approx(
+        tokens / (base + 0.002 * 9 + own)
+    )  # fmt: skip
+    alone = replace(mixed, head_rows=0, others_drafting=0.0)  # nobody else drafts: H(1) each
+    assert b.predict("eagle:4", alone) == pytest.approx(tokens / (0.028 + 0.002 * 9 + 0.0128))
+
+
 def test_a_request_that_plain_wins_beside_a_plain_row_gets_the_gated_guesser_if_it_pays_alone():
     """Beside a plain row a second guesser can lose to plain (a guess beside a plain row
     gained 3% at 2 clients, two guessing rows 1.12-1.20x; AMD EPYC, eagle:2), and a plain arm

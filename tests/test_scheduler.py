@@ -261,7 +261,7 @@ def test_the_step_curve_never_prices_more_tokens_cheaper():
 
 @pytest.mark.parametrize(
     "arm, timed",
-    [("eagle:2", [1, 2, 8]), ("draft:2", [0, 0, 1, 1, 2, 2, 7, 8, 8])],
+    [("eagle:2", [0, 1, 1, 2, 2, 7, 8, 8]), ("draft:2", [0, 0, 1, 1, 2, 2, 7, 8, 8])],
 )
 def test_a_proposer_curve_prices_a_guess_without_catching_up_on_a_held_back_stretch(
     engine, arm, timed
@@ -270,8 +270,9 @@ def test_a_proposer_curve_prices_a_guess_without_catching_up_on_a_held_back_stre
     back reads every step it sat out on its next turn (a head row's first turn: its whole
     prompt's states; a draft row's prompt is read at join): that read is charged to the row but
     not timed into the curve (it put an eagle:2 row's head at 20 ms instead of 4 at 2 rows on
-    the AMD EPYC, and the gate held back guesses that paid 1.2x). The draft's later passes of
-    such a turn are steady, and timed."""
+    the AMD EPYC, and the gate held back guesses that paid 1.2x). Both time each pass, and the
+    later passes of such a turn are steady, and timed (an eagle row's second guess: step 0's
+    and step 7's only pass timed)."""
     tok, eng = engine
     ids = user_prompt_ids(tok, PROMPTS[1])
     batch = RowBatch(eng, max_rows=2)
@@ -291,6 +292,23 @@ def test_a_proposer_curve_prices_a_guess_without_catching_up_on_a_held_back_stre
     assert seen == timed  # `batch.steps` during each timed pass
     assert all((c > 0) == (g is None) for c, g in zip(charged, plan, strict=True))
     assert row.out == reference(eng, ids, 40).token_ids[: len(row.out)]
+
+
+def test_the_head_curve_times_each_pass_against_the_rows_in_it(engine):
+    """Eagle rows draft together: each reads its states in a pass of its own, then their later
+    guesses share one head pass per position. `head_cost` times each pass against its rows,
+    so the policy can price what a row adds to the passes beside another (not an equal share
+    of the whole). Their first turn reads the whole prompt: untimed."""
+    tok, eng = engine
+    batch = RowBatch(eng, max_rows=2)
+    batch.join([(i, user_prompt_ids(tok, PROMPTS[i]), 30, parse_arm("eagle:3")) for i in (0, 1)])
+    seen = []
+    observe = batch.head_cost.observe
+    batch.head_cost.observe = lambda n, s, rows=None: (seen.append((batch.steps, n)), observe(n, s))
+    for _ in range(3):
+        batch.step()
+    assert seen == [(0, 2), (0, 2)] + [(s, n) for s in (1, 2) for n in (1, 1, 2, 2)]
+    assert [x for x, _ in batch.head_cost.curve()] == [1.0, 2.0]
 
 
 def test_the_step_curve_times_the_whole_step_less_draft_passes_and_callbacks(engine):

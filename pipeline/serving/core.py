@@ -136,6 +136,7 @@ class ServingCore:
             draft_cost=draft,
             draft_rows=sum(1 for r in beside if r.dslot is not None),
             head_cost=head,
+            head_rows=sum(1 for r in beside if r.hcache is not None),
             temperature=temperature,
             others_fed=fed + plain,
             others_tokens=tokens + plain,

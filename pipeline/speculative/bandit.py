@@ -59,8 +59,10 @@ class Context:
     step_cost: tuple[tuple[float, float], ...] | None = None
     draft_cost: tuple[tuple[float, float], ...] | None = None
     draft_rows: int = 0  # rows drafting with the draft model now (without this one)
-    # An eagle row's share of the head's passes, against its guesses (eagle rows draft together).
+    # One EAGLE-3 head pass against rows in it (eagle rows draft together; a row's read of its
+    # states is a pass of one).
     head_cost: tuple[tuple[float, float], ...] | None = None
+    head_rows: int = 0  # rows drafting with the head now (without this one)
     # What the other rows of that batch feed and commit per step (None: rows - 1 plain rows).
     others_fed: float | None = None
     others_tokens: float | None = None
@@ -112,29 +114,45 @@ def per_step(rows) -> tuple[float, float]:
     return fed, tokens
 
 
+def shared_passes(curve, guesses) -> float:
+    """Seconds of the batched passes that give each row its `guesses` (one pass per position
+    over the rows still guessing; `curve`: a pass against rows in it)."""
+    ks = sorted((g for g in guesses if g > 0), reverse=True)
+    seconds = done = 0.0
+    for m in range(len(ks), 0, -1):  # the passes over m rows: up to the m-th longest guess
+        passes = ks[m - 1] - done
+        if passes > 0:
+            seconds += passes * step_seconds(curve, m)
+            done = ks[m - 1]
+    return seconds
+
+
 def drafting_seconds(rows, draft_cost, head_cost) -> float:
     """Seconds a step of the step loop's `rows` (`batch.Row`) spends on their proposals, from
     the loop's curves (`Context.draft_cost`, `head_cost`; None: not measured, 0): the draft
     model's rows share one batched pass per position, each over the rows still guessing; an
-    EAGLE-3 row takes its share of the head's passes for its guesses; prompt lookup is free.
-    Each row's guesses per step are its own mean so far (not stepped yet: its k)."""
+    EAGLE-3 row reads its states in a pass of its own (its first guess), and its later guesses
+    share the head's passes as the draft model's rows do; prompt lookup is free. Each row's
+    guesses per step are its own mean so far (not stepped yet: its k)."""
 
     def guesses(r) -> float:
         return r.proposed / r.rounds if r.rounds else float(r.arm.k)
 
     seconds = 0.0
     if head_cost:
-        seconds += sum(step_seconds(head_cost, g) for r in rows
-                       if r.hcache is not None and (g := guesses(r)) > 0)  # fmt: skip
+        eagle = [g for r in rows if r.hcache is not None and (g := guesses(r)) > 0]
+        seconds += len(eagle) * step_seconds(head_cost, 1)
+        seconds += shared_passes(head_cost, [g - 1 for g in eagle])
     if draft_cost:
-        ks = sorted((guesses(r) for r in rows if r.dslot is not None), reverse=True)
-        done = 0.0
-        for m in range(len(ks), 0, -1):  # the passes over m rows: up to the m-th longest guess
-            passes = ks[m - 1] - done
-            if passes > 0:
-                seconds += passes * step_seconds(draft_cost, m)
-                done = ks[m - 1]
+        seconds += shared_passes(draft_cost, [guesses(r) for r in rows if r.dslot is not None])
     return seconds
+
+
+def added_passes(curve, rows: int, passes: float) -> float:
+    """What a row adds to `passes` batched passes that `rows` other rows make already: each
+    pass's growth from `rows` to `rows` + 1 (alone: the whole pass)."""
+    grown = step_seconds(curve, rows + 1) - (step_seconds(curve, rows) if rows else 0.0)
+    return passes * max(0.0, grown)
 
 
 @dataclass(frozen=True)
@@ -429,7 +447,7 @@ class GoodputBandit(EpsilonGreedy):
     F_o tokens and commit R_o tokens a step (the context's; without them, rows - 1 plain rows:
     F_o = R_o = rows - 1). With the step loop's measured curves (S(x): a whole step, proposals,
     target pass and acceptance, draft passes excepted, feeding x tokens; D(m): a draft pass for
-    m rows; `step_seconds`), arm s:k is predicted at
+    m rows; H(m): an EAGLE-3 head pass for m rows; `step_seconds`), arm s:k is predicted at
 
         tokens(s:k) = 1 + sum_{i<k} P_s[i]       P_s[i]: share of s's rounds that could guess
                                                   at position i whose guesses 1..i+1 were all
@@ -439,7 +457,10 @@ class GoodputBandit(EpsilonGreedy):
                                                   (Q_s[-1] = 1, Q_s[k] = 0): the step
                                                   priced per number of guesses j
         draft(s:k)  = [s = draft] * k * (D(1) if no other row drafts, else D(m + 1) - D(m))
-                      + [s = eagle] * H(k)                 H: the head's time for a row's k
+                      + [s = eagle] * (H(1) + (k - 1) * (H(1) if no other row uses the
+                                       head, else H(m + 1) - H(m)))
+                                                  (an eagle row reads its states in a pass of
+                                                  its own, then shares the passes)
         goodput     = (R_o + tokens) / (step + P_o + draft)
                                                   (arm 0: (R_o + 1) / (S(F_o + 1) + P_o))
 
@@ -532,10 +553,10 @@ class GoodputBandit(EpsilonGreedy):
             cost += (last - more) * step_seconds(context.step_cost, fed_o + 1 + j)
             last = more
         if s == "draft" and context.draft_cost is not None:
-            d, m = context.draft_cost, context.draft_rows  # m other rows draft already
-            cost += k * max(0.0, step_seconds(d, m + 1) - (step_seconds(d, m) if m else 0.0))
-        if s == "eagle" and context.head_cost is not None:
-            cost += step_seconds(context.head_cost, k)
+            cost += added_passes(context.draft_cost, context.draft_rows, k)
+        if s == "eagle" and context.head_cost is not None:  # its own read, then shared passes
+            h = context.head_cost
+            cost += step_seconds(h, 1) + added_passes(h, context.head_rows, k - 1)
         return (tokens_o + tokens) / max(cost, 1e-9)
 
     def seed(self, prior: dict[str, tuple[list, list, list]], rounds: float) -> list[str]:
@@ -610,7 +631,7 @@ class GoodputBandit(EpsilonGreedy):
         speculative one; else None."""
         if context.alone_cost is None:
             return None
-        alone = replace(context, rows=1, step_cost=context.alone_cost, draft_rows=0,
+        alone = replace(context, rows=1, step_cost=context.alone_cost, draft_rows=0, head_rows=0,
                         others_fed=0.0, others_tokens=0.0, others_drafting=0.0)  # fmt: skip
         values = {a: v for a in self.arms if (v := self.predict(a, alone)) is not None}
         best = max(values, key=lambda a: (values[a], -self.arms.index(a)))

@@ -230,7 +230,7 @@ class RowBatch:
         self.limit = min(limit, model_limit) if limit else model_limit
         self.cost = StepCost()  # the target pass: time against tokens fed
         self.draft_cost = StepCost()  # one draft pass: time against rows drafted for
-        self.head_cost = StepCost()  # an eagle row's guesses: time against guesses
+        self.head_cost = StepCost()  # one head pass: time against rows in it (a read: one)
         self.rows: list[Row] = []
         self.epoch = 0  # bumped by each `set_engine` (a new draft)
         self.steps = 0
@@ -550,8 +550,12 @@ class RowBatch:
         committed since its last turn, then all draft their k_eff tokens together, one head
         pass per position (`Eagle3Head.draft_many`), greedy or drawn (a sampled row keeps each
         guess's distribution, over the target's vocabulary, for verify). Each row is charged an
-        equal share of the time (what a row adds is about that: its read, and a share of the
-        passes). Returns the seconds."""
+        equal share of the time. `head_cost` times each pass against its rows, as `draft_cost`
+        does: a row's read of its states is a pass of one row, then each shared pass (what a
+        row adds to the head is its read and the growth of the shared passes; priced as an
+        equal share, a guessing row beside another paid more than it added, and a plain row
+        beside one guessing less than that neighbour's whole head costs every row of the step).
+        Returns the seconds."""
         rows = [r for r in rows if r.aux_new]  # a one-token prompt: no target state yet
         if not rows:
             return 0.0
@@ -559,10 +563,10 @@ class RowBatch:
         head = self.engine.head
         ids = head.target_ids
         jobs = []
-        steady = True  # every row reads one step's states (see `_steady`)
+        steady = []  # per row: it reads one step's states (see `_steady`)
         for r in rows:
             fresh = torch.cat(r.aux_new) if len(r.aux_new) > 1 else r.aux_new[0]
-            steady = steady and _steady(r, fresh.shape[0])
+            steady.append(_steady(r, fresh.shape[0]))
             r.aux_new = []
             choose = None
             if not r.sampling.greedy:
@@ -573,12 +577,15 @@ class RowBatch:
                     return draw(q, r.gen)
 
             jobs.append((r.seq, fresh, r.hcache, r.k_eff, choose))
-        for r, drafts in zip(rows, head.draft_many(jobs), strict=True):
+
+        def timed(n: int, seconds: float, job: int | None) -> None:
+            if job is None or steady[job]:  # a catch-up read is the row's, not a guess's price
+                self.head_cost.observe(n, seconds)
+
+        for r, drafts in zip(rows, head.draft_many(jobs, on_pass=timed), strict=True):
             r.drafts = drafts
         dt = time.perf_counter() - start
         for r in rows:
-            if steady:
-                self.head_cost.observe(r.k_eff, dt / len(rows))
             r.draft_s += dt / len(rows)
             r.cost_s += dt / len(rows)
         return dt

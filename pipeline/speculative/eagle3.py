@@ -28,6 +28,8 @@ at guess j+1. So positions 2..k are trained, not only the first.
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -307,16 +309,20 @@ class Eagle3Head(nn.Module):
         return self.draft_many([(seq, fresh, cache, k, choose)])[0]
 
     @torch.no_grad()
-    def draft_many(self, jobs: list[tuple]) -> list[list[int]]:
+    def draft_many(
+        self, jobs: list[tuple], on_pass: Callable[[int, float, int | None], None] | None = None
+    ) -> list[list[int]]:
         """`draft` for several sequences, each job (seq, fresh, cache, k, choose): each reads its
         fresh states alone (their counts differ), then guesses 2..k of every sequence still
         drafting step together, one head pass per position over all of them (their caches laid
         out to the longest, the rest masked), as the draft model's rows do: a head step for
-        sixteen rows costs about one for one."""
+        sixteen rows costs about one for one. `on_pass(rows, seconds, job)`, if given, times
+        each pass: a job's read (rows 1, its index) and each shared pass (its rows, None)."""
         dev, tids = self.fc.weight.device, self.target_ids
         outs: list[list[int]] = []
         chain: list[tuple[int, torch.Tensor]] = []  # (job, the head's last pre-norm output)
         for i, (seq, fresh, cache, k, choose) in enumerate(jobs):
+            t0 = time.perf_counter()
             m, have = len(seq) - 1, cache.length
             if fresh.shape[0] != m - have or m - have < 1:
                 raise ValueError(
@@ -324,10 +330,13 @@ class Eagle3Head(nn.Module):
                 )
             ids = torch.tensor([seq[have + 1 : m + 1]], device=dev)
             logits, pre = self.forward_step(ids, self.fuse(fresh.to(dev))[None], have, cache)
-            outs.append([self._pick(logits[0, -1], choose, tids)])
+            outs.append([self._pick(logits[0, -1], choose, tids)])  # (a pick syncs a device)
+            if on_pass:
+                on_pass(1, time.perf_counter() - t0, i)
             if k > 1:
                 chain.append((i, pre[:, -1:]))
         while chain:
+            t0 = time.perf_counter()
             ids = torch.tensor([[outs[i][-1]] for i, _ in chain], device=dev)
             hidden = torch.cat([h for _, h in chain])
             caches = [jobs[i][2] for i, _ in chain]
@@ -340,6 +349,8 @@ class Eagle3Head(nn.Module):
                 outs[i].append(self._pick(logits[row, -1], jobs[i][4], tids))
                 if len(outs[i]) < jobs[i][3]:
                     going.append((i, pre[row : row + 1, -1:]))
+            if on_pass:
+                on_pass(len(chain), time.perf_counter() - t0, None)
             chain = going
         for seq, _, cache, _, _ in jobs:
             cache.crop(len(seq) - 1)
