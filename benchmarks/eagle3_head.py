@@ -3,7 +3,7 @@ it in the speculators format, and measure held-out acceptance beside a merged dr
 not a test.
 
     .venv/bin/python -m benchmarks.eagle3_head --artifacts artifacts --answers 128 \
-        [--epochs 4] [--lr 1e-3] [--ttt 4] [--k 4] [--prompts 50] [--tokens 48] \
+        [--epochs 4] [--lr 1e-3] [--ttt 4] [--kd N] [--k 4] [--prompts 50] [--tokens 48] \
         [--drafts artifacts/merged] [--name h128]
 
 The target's hidden states over every training prompt + answer are computed once and cached
@@ -146,6 +146,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--ttt", type=int, default=4, help="training-time-test steps")
+    ap.add_argument("--kd", type=int, default=0, help="kd on the target's top N (0: sft)")
     ap.add_argument("--aux", type=int, nargs=3, default=None)
     ap.add_argument("--no-init", action="store_true", help="random head (no target init)")
     ap.add_argument("--name", default=None)
@@ -199,8 +200,9 @@ def main() -> None:
                     print(f"\rstep {s}/{n} loss {loss:.3f} acc {a}", end="", flush=True)
 
             fit = eagle3.train_head(
-                head, data, args.epochs, args.lr, args.batch_size, args.ttt, on_step=on_step
-            )
+                head, data, args.epochs, args.lr, args.batch_size, args.ttt, on_step=on_step,
+                top=args.kd,
+            )  # fmt: skip
             print(flush=True)
             eagle3.export(
                 head, export_dir, models.verifier_name(cfg, tref), list(target.config.architectures)
@@ -212,6 +214,7 @@ def main() -> None:
                 "answers": args.answers,
                 "extra": args.extra,
                 "ttt": args.ttt,
+                "kd_top": args.kd or None,
                 "lr": args.lr,
                 "init": not args.no_init,
                 "aux": list(aux_ids),

@@ -368,7 +368,8 @@ class TrainConfig(Section):
         le=20,
         description="kd/on_policy: learn only the target's N most likely tokens per position "
         "(the rest as one bucket), as an OpenAI-compatible teacher returns them; null: the "
-        "full distribution (needs the target's weights).",
+        "full distribution (needs the target's weights). models.draft=eagle3: the head's kd "
+        "reads the target's top N of 20 cached with its states (null: 20).",
     )
     ttt_steps: int = Field(
         4,
@@ -609,10 +610,23 @@ class Config(Section):
                 "train.method=lora does not apply to models.draft=eagle3: the head (one layer, "
                 "fc and its output head) is new and trained whole; set train.method=full"
             )
-        if self.train.objective != "sft":
+        t = self.train
+        if t.objective == "on_policy":
             raise ValueError(
-                f"train.objective={self.train.objective} is not built for models.draft=eagle3: "
-                "the head learns the target's own greedy tokens (train.objective=sft)"
+                "train.objective=on_policy is not built for models.draft=eagle3: the head "
+                "learns the target's own greedy tokens (train.objective=sft) or its top-N "
+                "distribution (train.objective=kd)"
+            )
+        if t.objective == "kd" and self.kd_source() == "teacher":
+            raise ValueError(
+                "train.objective=kd with models.draft=eagle3 learns from the target whose "
+                "states the head reads (its top-20 next tokens, cached with them), not from "
+                "the teacher endpoint: set train.kd_source=target"
+            )
+        if t.objective == "kd" and t.divergence != "forward_kl":
+            raise ValueError(
+                f"train.divergence={t.divergence} is not built for models.draft=eagle3: its kd "
+                "is the cross-entropy on the target's top-N (forward_kl)"
             )
         return self
 

@@ -2,13 +2,17 @@
 speculators format vLLM loads, and loaded back. The head itself is `speculative/eagle3.py`.
 
     states   the target reads every training prompt + answer once (batched) and its hidden
-             states at the three aux layers, with its own greedy next token at each position,
-             are cached in <dir>/states-<key>/ (shards of `SHARD` rows, bf16; resumable: a
-             finished shard is kept). The key hashes the target's weights and the rows' token
-             ids: another target or other answers means other states, never silently reused.
+             states at the three aux layers, with its own greedy next token and its `KD_TOP`
+             most likely next tokens (log-probabilities) at each position, are cached in
+             <dir>/states-<key>/ (shards of `SHARD` rows, bf16; resumable: a finished shard is
+             kept). The key hashes the target's weights, the rows' token ids and the format:
+             another target or other answers means other states, never silently reused.
     train    AdamW on the training-time test (`Eagle3Head.ttt_logits`), loss over the answer
-             positions, step j weighted 0.8^j (EAGLE-3), labels the target's own greedy tokens
-             (what acceptance checks), restricted to the head's vocabulary.
+             positions, step j weighted 0.8^j (EAGLE-3), restricted to the head's vocabulary:
+             sft, cross-entropy on the target's own greedy tokens (what acceptance checks);
+             kd, cross-entropy on the target's top-N distribution (renormalised over the ids
+             the head can propose), as vllm-project/speculators trains on the verifier's
+             logits.
     export   config.json (`speculators_model_type: eagle3`, `speculators_config` with the
              verifier) + model.safetensors, the names vLLM's `llama_eagle3` reads.
 """
@@ -36,12 +40,14 @@ SHARD = 32  # rows per cached shard
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 STEP_WEIGHT = 0.8  # EAGLE-3's loss weight per training-time-test step
+KD_TOP = 20  # the target's most likely next tokens cached per position (kd's distribution)
+STATES_FORMAT = "aux+greedy+top20"  # in the cache key: a cache of another layout is recomputed
 
 
 def states_key(target_weights: str, rows: list[dict], aux: tuple[int, ...]) -> str:
     """Keyed by the target's weights hash, the rows' tokens and the layers read."""
     h = hashlib.sha256(target_weights.encode())
-    h.update(json.dumps(list(aux)).encode())
+    h.update(json.dumps([list(aux), STATES_FORMAT]).encode())
     for r in rows:
         h.update(json.dumps([r["input_ids"], r["completion_mask"]]).encode())
     return h.hexdigest()[:16]
@@ -51,8 +57,9 @@ def states_key(target_weights: str, rows: list[dict], aux: tuple[int, ...]) -> s
 def target_states(
     target, rows: list[dict], aux: tuple[int, ...], pad_id: int
 ) -> list[dict[str, torch.Tensor]]:
-    """One padded batch through the target: per row its aux hidden states [T, 3H] (bf16) and
-    its greedy next token at each position [T]."""
+    """One padded batch through the target: per row its aux hidden states [T, 3H] (bf16), its
+    greedy next token at each position [T], and its `KD_TOP` most likely next tokens [T, N]
+    with their log-probabilities (bf16)."""
     t = max(len(r["input_ids"]) for r in rows)
     dev = next(target.parameters()).device
     ids = torch.full((len(rows), t), pad_id, dtype=torch.long)
@@ -63,10 +70,12 @@ def target_states(
     out = target(input_ids=ids.to(dev), attention_mask=mask.to(dev), output_hidden_states=True)
     hs = torch.cat([out.hidden_states[a] for a in aux], dim=-1)
     greedy = out.logits.argmax(-1)
+    top = torch.log_softmax(out.logits.float(), dim=-1).topk(min(KD_TOP, out.logits.shape[-1]))
     return [
-        {"aux": hs[i, : len(r["input_ids"])].to(torch.bfloat16).cpu(),
-         "greedy": greedy[i, : len(r["input_ids"])].cpu()}
-        for i, r in enumerate(rows)
+        {"aux": hs[i, :n].to(torch.bfloat16).cpu(), "greedy": greedy[i, :n].cpu(),
+         "top_ids": top.indices[i, :n].to(torch.int32).cpu(),
+         "top_logp": top.values[i, :n].to(torch.bfloat16).cpu()}
+        for i, r in enumerate(rows) if (n := len(r["input_ids"]))
     ]  # fmt: skip
 
 
@@ -150,29 +159,47 @@ def new_head(target, vocab_ids: list[int], aux: tuple[int, ...] | None, init: bo
     return head
 
 
-def _batch(rows: list[dict], steps: int) -> tuple[torch.Tensor, ...]:
+def _batch(rows: list[dict], top: int = 0) -> tuple[torch.Tensor, ...]:
+    """Padded ids, aux states, greedy labels and mask [B, T(, ...)]; with `top`, the target's
+    `top` most likely ids and log-probabilities too [B, T, top]."""
     t = max(len(r["ids"]) for r in rows)
     b = len(rows)
     ids = torch.zeros(b, t, dtype=torch.long)
     aux = torch.zeros(b, t, rows[0]["aux"].shape[-1])
     greedy = torch.zeros(b, t, dtype=torch.long)
     mask = torch.zeros(b, t, dtype=torch.bool)
+    top_ids = torch.zeros(b, t, top, dtype=torch.long)
+    top_logp = torch.full((b, t, top), -math.inf)
     for i, r in enumerate(rows):
         n = len(r["ids"])
         ids[i, :n], aux[i, :n], greedy[i, :n] = r["ids"], r["aux"].float(), r["greedy"]
         mask[i, :n] = r["mask"].bool()
-    return ids, aux, greedy, mask
+        if top:
+            top_ids[i, :n] = r["top_ids"][:, :top].long()
+            top_logp[i, :n] = r["top_logp"][:, :top].float()
+    return ids, aux, greedy, mask, top_ids, top_logp
+
+
+def kd_targets(top_ids: torch.Tensor, top_logp: torch.Tensor, index: torch.Tensor):
+    """The target's top-N distribution over the head's vocabulary: (draft indices [..., N],
+    probabilities [..., N] summing to 1 over the ids the head can propose, 0 elsewhere)."""
+    d = index[top_ids]
+    p = torch.where(d >= 0, top_logp.exp(), torch.zeros(()))
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)
+    return d.clamp_min(0), p
 
 
 def ttt_loss(
-    head: Eagle3Head, rows: list[dict], steps: int, index: torch.Tensor
+    head: Eagle3Head, rows: list[dict], steps: int, index: torch.Tensor, top: int = 0
 ) -> tuple[torch.Tensor, list[float]]:
     """The weighted loss of a batch and each step's accuracy on its labelled positions.
 
     Step j's query t scores position t+j+2, whose label is the target's greedy token after
     position t+j+1 (`greedy[t+j+1]`); it counts where that token is an answer token (its
-    completion mask) and in the head's vocabulary."""
-    ids, aux, greedy, mask = _batch(rows, steps)
+    completion mask) and in the head's vocabulary. `top` > 0 (kd): the loss is the
+    cross-entropy on the target's `top` most likely tokens there (`kd_targets`) instead of on
+    its greedy token; the accuracy is still the greedy token's."""
+    ids, aux, greedy, mask, top_ids, top_logp = _batch(rows, top)
     outs = head.ttt_logits(ids, aux, steps, score=False)  # scored below where labelled
     b, t = ids.shape
     total = torch.zeros(())
@@ -192,7 +219,12 @@ def ttt_loss(
             continue
         lg = head.lm_head(normed[valid]).float()
         lb = label[valid]
-        total = total + STEP_WEIGHT**j * F.cross_entropy(lg, lb)
+        if top:
+            d, p = kd_targets(top_ids[:, src][valid], top_logp[:, src][valid], index)
+            loss = -(p * lg.log_softmax(-1).gather(-1, d)).sum(-1).mean()
+        else:
+            loss = F.cross_entropy(lg, lb)
+        total = total + STEP_WEIGHT**j * loss
         accs.append(float((lg.argmax(-1) == lb).float().mean()))
     return total, accs
 
@@ -206,9 +238,11 @@ def train_head(
     steps: int,
     seed: int = 0,
     on_step: Callable[[int, int, float, list[float]], None] | None = None,
+    top: int = 0,
 ) -> dict[str, Any]:
     """AdamW over the cached rows (the embedding stays the target's, frozen); cosine decay after
-    a short warm-up. Returns the run's figures."""
+    a short warm-up; `top` > 0: kd on the target's top-`top` distribution (`ttt_loss`).
+    Returns the run's figures."""
     g = torch.Generator().manual_seed(seed)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
@@ -230,7 +264,8 @@ def train_head(
         for s in range(0, len(order), batch_size):
             if step >= total:
                 break
-            loss, accs = ttt_loss(head, [rows[i] for i in order[s : s + batch_size]], steps, index)
+            batch = [rows[i] for i in order[s : s + batch_size]]
+            loss, accs = ttt_loss(head, batch, steps, index, top)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -428,6 +428,7 @@ def _train_eagle3(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict)
         data = eagle3.load_shards(shards)
         log.info("train: eagle3 head over layers %s, %d rows, states in %s (%.0f s)",
                  list(aux), len(data), folder, states_s)  # fmt: skip
+        top = (t.top_logprobs or eagle3.KD_TOP) if t.objective == "kd" else 0
         per_epoch = math.ceil(len(data) / t.batch_size)
         total = t.max_steps if t.max_steps > 0 else max(1, round(per_epoch * t.epochs))
         history: list[dict] = []
@@ -440,7 +441,7 @@ def _train_eagle3(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict)
 
             fit = eagle3.train_head(
                 head, data, total / per_epoch, t.learning_rate, t.batch_size, t.ttt_steps,
-                seed=t.seed, on_step=on_step,
+                seed=t.seed, on_step=on_step, top=top,
             )  # fmt: skip
         eagle3.export(head, tmp / "head", models.verifier_name(cfg, ref),
                list(target.config.architectures or []))  # fmt: skip
@@ -455,8 +456,9 @@ def _train_eagle3(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict)
     atomic_write_jsonl(ws.adapter / "train_log.jsonl", history)
     metrics = {
         "method": "eagle3",
-        "objective": "sft",
-        "kd_source": None,
+        "objective": t.objective,
+        "kd_source": "target" if top else None,
+        "kd_top": top or None,
         "base_draft": "eagle3",
         "target": ref,
         "aux_layers": list(aux),

@@ -70,6 +70,23 @@ def test_missing_and_malformed_files(tmp_path):
         load_config(bad)
 
 
+def test_an_eagle3_head_learns_kd_from_the_target_only():
+    """The head's kd reads the target's top-N cached with its states: kd is accepted, but not
+    from the teacher endpoint, not on-policy and not with another divergence; each refusal
+    names the setting to change."""
+    base = ["models.draft=eagle3", "train.method=full"]
+    cfg = load_config(None, [*base, "train.objective=kd"])
+    assert cfg.train.objective == "kd" and cfg.kd_source() == "target"
+    for extra, named in [
+        (["train.objective=on_policy"], "train.objective=on_policy"),
+        (["train.objective=kd", "train.kd_source=teacher", "train.top_logprobs=5"],
+         "train.kd_source=target"),
+        (["train.objective=kd", "train.divergence=tv"], "train.divergence=tv"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError, match=named):
+            load_config(None, [*base, *extra])
+
+
 def test_bandit_arms_validated():
     with pytest.raises(ConfigError, match="bandit.arms"):
         load_config(None, ["bandit.arms=[2,2]"])

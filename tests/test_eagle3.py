@@ -190,6 +190,12 @@ def test_states_are_cached_by_target_and_answers_and_resumed(tiny_models, tmp_pa
     shards = eagle3.cache_states(target, rows, aux, train.pad_id(tok), tmp_path / k1, batch=4)
     data = eagle3.load_shards(shards)
     assert [d["ids"].tolist() for d in data] == [r["input_ids"] for r in rows]
+    # kd's distribution: the target's top ids, most likely first (its greedy token), with
+    # log-probabilities that sum to at most 1.
+    top = data[0]["top_logp"].float()
+    assert data[0]["top_ids"].shape == (len(rows[0]["input_ids"]), eagle3.KD_TOP)
+    assert torch.equal(data[0]["top_ids"][:, 0].long(), data[0]["greedy"])
+    assert (top[:, :-1] >= top[:, 1:]).all() and (top.exp().sum(-1) <= 1.01).all()
     # Batched with padding, each row's states are its own alone.
     alone = _aux(target, rows[0]["input_ids"], aux)
     torch.testing.assert_close(data[0]["aux"].float(), alone, atol=2e-2, rtol=2e-2)
@@ -198,7 +204,8 @@ def test_states_are_cached_by_target_and_answers_and_resumed(tiny_models, tmp_pa
     assert shards[0].stat().st_mtime_ns == stamp  # resumed: not recomputed
 
 
-def test_training_learns_the_targets_next_tokens(tiny_models, tmp_path):
+@pytest.mark.parametrize("top", [0, 20], ids=["sft", "kd"])
+def test_training_learns_the_targets_next_tokens(tiny_models, tmp_path, top):
     tok, target, _ = tiny_models
     rows = _rows(tok, 8)
     head = eagle3.new_head(target, list(range(target.config.vocab_size)), None)
@@ -207,12 +214,46 @@ def test_training_learns_the_targets_next_tokens(tiny_models, tmp_path):
         eagle3.cache_states(target, rows, aux, train.pad_id(tok), tmp_path / "s")
     )
     index = head.draft_index()
-    before, _ = eagle3.ttt_loss(head, data, 3, index)
-    fit = eagle3.train_head(head, data, epochs=30, lr=3e-3, batch_size=4, steps=3)
-    after, accs = eagle3.ttt_loss(head, data, 3, index)
-    assert after.item() < 0.5 * before.item()
+    before, _ = eagle3.ttt_loss(head, data, 3, index, top)
+    fit = eagle3.train_head(head, data, epochs=30, lr=3e-3, batch_size=4, steps=3, top=top)
+    after, accs = eagle3.ttt_loss(head, data, 3, index, top)
+    assert after.item() < (0.7 if top else 0.5) * before.item(), (
+        before,
+        after,
+    )  # kd: its entropy stays
     assert accs[0] > 0.5, accs
     assert fit["steps"] == 60
+
+
+def test_kd_is_the_cross_entropy_on_the_targets_top_n_over_the_heads_vocabulary(
+    tiny_models, tmp_path
+):
+    """kd's targets: the target's top-N renormalised over the ids the head can propose. With
+    all the mass on the greedy token, kd's loss is sft's; spread, it is the soft
+    cross-entropy."""
+    tok, target, _ = tiny_models
+    head = _head(target)
+    aux = head.config.aux_layer_ids
+    data = eagle3.load_shards(
+        eagle3.cache_states(target, _rows(tok, 4), aux, train.pad_id(tok), tmp_path / "s")
+    )
+    index = head.draft_index()
+    with torch.no_grad():
+        sft, _ = eagle3.ttt_loss(head, data, 2, index)
+        onehot = [{**d, "top_logp": torch.where(torch.arange(eagle3.KD_TOP) == 0, 0.0, -1e4)
+                   .expand_as(d["top_logp"]).to(torch.bfloat16)} for d in data]  # fmt: skip
+        same, _ = eagle3.ttt_loss(head, onehot, 2, index, eagle3.KD_TOP)
+        spread, _ = eagle3.ttt_loss(head, data, 2, index, eagle3.KD_TOP)
+    torch.testing.assert_close(same, sft)
+    assert abs(spread.item() - sft.item()) > 1e-3
+    # Renormalised over the head's vocabulary: ids it cannot propose get nothing.
+    pruned = torch.full((10,), -1)
+    pruned[[2, 5, 7]] = torch.tensor([0, 1, 2])
+    ids = torch.tensor([[5, 3, 2, 9]])
+    logp = torch.tensor([[0.5, 0.2, 0.2, 0.1]]).log()
+    d, p = eagle3.kd_targets(ids, logp, pruned)
+    assert d.tolist() == [[1, 0, 0, 0]]
+    torch.testing.assert_close(p, torch.tensor([[0.5 / 0.7, 0.0, 0.2 / 0.7, 0.0]]))
 
 
 def test_train_and_merge_an_eagle3_head_through_the_command_line(distilled_ws, tmp_path, cli):
@@ -243,10 +284,15 @@ def test_train_and_merge_an_eagle3_head_through_the_command_line(distilled_ws, t
     assert "vLLM cannot serve this head" in card and "speculative-config" not in card
     published = json.loads((art / "merged" / "publish.json").read_text())["published"]
     assert (Path(published["path"]) / "model.safetensors").is_file()
-    # Training again on the same answers reuses the cached states (not recomputed).
+    # Training again on the same answers reuses the cached states (not recomputed), kd too:
+    # its distribution is the target's top-N, cached with them.
     stamp = states[0].stat().st_mtime_ns
-    assert cli("train", *base, *sets, "--force").returncode == 0
+    kd = cli("train", *base, *sets, "--set", "train.objective=kd", "--force")
+    assert kd.returncode == 0, kd.log[-2000:]
     assert states[0].stat().st_mtime_ns == stamp
+    metrics = json.loads((art / "adapter" / "metrics.json").read_text())
+    assert (metrics["objective"], metrics["kd_source"], metrics["kd_top"]) == ("kd", "target", 20)
+    assert cli("merge", *base, *sets, "--set", "train.objective=kd").returncode == 0
     # The bench serves the merged head: its eagle:K rows, lossless (exit 0), in the report.
     served = cli("bench", *base, *sets, "--draft", "distilled",
                  "--set", "bench.fixed_arms=[ngram:2,eagle:2]",
