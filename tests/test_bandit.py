@@ -714,7 +714,7 @@ def test_goodput_counts_the_other_rows_proposals_in_every_rows_step():
 
     def row(k, rounds=0, proposed=0, eagle=False, draft=False):
         return SimpleNamespace(arm=SimpleNamespace(k=k), rounds=rounds, proposed=proposed,
-                               hcache=object() if eagle else None,
+                               guess_rounds=rounds, hcache=object() if eagle else None,
                                dslot=0 if draft else None)  # fmt: skip
 
     other = row(2, rounds=10, proposed=20, eagle=True)
@@ -749,14 +749,18 @@ def test_an_eagle_row_pays_its_read_and_what_it_adds_to_the_shared_head_passes()
     step = line(0.028, 0.002)
     head = ((1.0, 0.0032), (2.0, 0.0034), (4.0, 0.0036), (8.0, 0.0040))  # batched: flat-ish
 
-    def eagle(k, rounds=0, proposed=0):
+    def eagle(k, rounds=0, proposed=0, guessed=None):
         return SimpleNamespace(arm=SimpleNamespace(k=k), rounds=rounds, proposed=proposed,
+                               guess_rounds=rounds if guessed is None else guessed,
                                hcache=object(), dslot=None)  # fmt: skip
 
     one = eagle(4, rounds=10, proposed=30)  # 3 guesses a step: its read, then 2 passes
     assert drafting_seconds([one], None, head) == pytest.approx(0.0032 + 2 * 0.0032)
     two = [one, eagle(2)]  # reads 2 x H(1); 1 pass over both, 1 over the first
     assert drafting_seconds(two, None, head) == pytest.approx(2 * 0.0032 + 0.0034 + 0.0032)
+    # Held back in 9 of 10 steps (the gate): one step's read and passes in ten, not every step.
+    held = eagle(4, rounds=10, proposed=4, guessed=1)
+    assert drafting_seconds([held], None, head) == pytest.approx(0.1 * (0.0032 + 3 * 0.0032))
     mixed = Context(rows=2, step_cost=step, head_cost=head, others_fed=4.0, others_tokens=2.5,
                     others_drafting=drafting_seconds([one], None, head))  # fmt: skip
     base = 0.028 + mixed.others_drafting

@@ -131,18 +131,24 @@ def drafting_seconds(rows, draft_cost, head_cost) -> float:
     """Seconds a step of the step loop's `rows` (`batch.Row`) spends on their proposals, from
     the loop's curves (`Context.draft_cost`, `head_cost`; None: not measured, 0): the draft
     model's rows share one batched pass per position, each over the rows still guessing; an
-    EAGLE-3 row reads its states in a pass of its own (its first guess), and its later guesses
-    share the head's passes as the draft model's rows do; prompt lookup is free. Each row's
-    guesses per step are its own mean so far (not stepped yet: its k)."""
+    EAGLE-3 row reads its states in a pass of its own (its first guess), in the steps it
+    guesses, and its later guesses share the head's passes as the draft model's rows do;
+    prompt lookup is free. Each row's guesses per step, and the share of its steps it guessed
+    in, are its own means so far (not stepped yet: its k, every step). (A row the gate holds
+    back in most steps charged a read every step, the policy saw a head the batch did not pay
+    for, and a guess beside such rows looked cheaper than it was.)"""
 
     def guesses(r) -> float:
         return r.proposed / r.rounds if r.rounds else float(r.arm.k)
 
+    def guessing(r) -> float:
+        return min(1.0, r.guess_rounds / r.rounds) if r.rounds else 1.0
+
     seconds = 0.0
     if head_cost:
-        eagle = [g for r in rows if r.hcache is not None and (g := guesses(r)) > 0]
-        seconds += len(eagle) * step_seconds(head_cost, 1)
-        seconds += shared_passes(head_cost, [g - 1 for g in eagle])
+        eagle = [(g, guessing(r)) for r in rows if r.hcache is not None and (g := guesses(r)) > 0]
+        seconds += sum(f for _, f in eagle) * step_seconds(head_cost, 1)
+        seconds += shared_passes(head_cost, [g - f for g, f in eagle])
     if draft_cost:
         seconds += shared_passes(draft_cost, [guesses(r) for r in rows if r.dslot is not None])
     return seconds
