@@ -587,7 +587,8 @@ class Config(Section):
     def kd_source(self) -> str | None:
         """Where the target's distribution comes from: 'target' (its weights, loaded beside the
         draft), 'teacher' (the top_logprobs distill stores with each answer), or None (sft
-        learns from the answers' tokens alone)."""
+        learns from the answers' tokens alone). An EAGLE-3 head reads the target's states, so
+        its kd's `auto` is the target."""
         t = self.train
         if t.objective == "sft":
             return None
@@ -595,6 +596,8 @@ class Config(Section):
             return "target"
         if t.kd_source != "auto":
             return t.kd_source
+        if self.models.draft.strip() == "eagle3":
+            return "target"
         return "teacher" if self.teacher.url != "local" and t.top_logprobs else "target"
 
     def requested_logprobs(self) -> int | None:

@@ -75,7 +75,7 @@ def target_states(
         {"aux": hs[i, :n].to(torch.bfloat16).cpu(), "greedy": greedy[i, :n].cpu(),
          "top_ids": top.indices[i, :n].to(torch.int32).cpu(),
          "top_logp": top.values[i, :n].to(torch.bfloat16).cpu()}
-        for i, r in enumerate(rows) if (n := len(r["input_ids"]))
+        for i, n in enumerate(len(r["input_ids"]) for r in rows)
     ]  # fmt: skip
 
 

@@ -77,6 +77,9 @@ def test_an_eagle3_head_learns_kd_from_the_target_only():
     base = ["models.draft=eagle3", "train.method=full"]
     cfg = load_config(None, [*base, "train.objective=kd"])
     assert cfg.train.objective == "kd" and cfg.kd_source() == "target"
+    remote = ["teacher.url=http://127.0.0.1:9/v1", "train.top_logprobs=5"]  # auto: still target
+    cfg = load_config(None, [*base, "train.objective=kd", *remote])
+    assert cfg.kd_source() == "target" and cfg.requested_logprobs() is None
     for extra, named in [
         (["train.objective=on_policy"], "train.objective=on_policy"),
         (["train.objective=kd", "train.kd_source=teacher", "train.top_logprobs=5"],
