@@ -709,8 +709,10 @@ def compile_engine(cfg, ws, pair: Pair) -> bool:
             raise PhoenixError(msg)
         log.warning("%s: eager", msg)
         return False
-    if all(r.compiled for r in runners):
-        return True  # a shared target, compiled already
+    if all(r.compiled for r in runners):  # a shared target, compiled already (a reload)
+        if pair.engine.head is not None and not pair.engine.head.compiled:
+            compile_head(pair.engine.head, how, cfg.engine.backend)
+        return True
     cache = ws.compile_cache
     cache.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
@@ -749,4 +751,37 @@ def compile_engine(cfg, ws, pair: Pair) -> bool:
                         "machine (%s, compiled vs eager): running eager", figures)  # fmt: skip
             return False
         log.info("engine.compile=auto: compiled steps kept (%s, compiled vs eager)", figures)
+    if pair.engine.head is not None:
+        compile_head(pair.engine.head, how, cfg.engine.backend)
+    return True
+
+
+def compile_head(head, how: str, backend: str) -> bool:
+    """An EAGLE-3 head's drafting through its compiled dense parts (`Eagle3Head.compile`),
+    warmed in every shape it drafts in, beside a compiled target. `auto` keeps them only where
+    its one-token step measures faster than eager here, and falls back to eager with one
+    warning when compiling fails; `true` fails loudly. Returns whether the head runs compiled."""
+    eager = head.step_ms() if how == "auto" else None
+    try:
+        head.compile(backend=backend)
+        head.warm_up()
+    except Exception as exc:  # noqa: BLE001 - any compile failure means eager under auto
+        head.uncompile()
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        reason = f"{type(exc).__name__}: {first_line}"
+        if how == "true":
+            raise PhoenixError(f"engine.compile=true: compiling the head failed: {reason}") from exc
+        log.warning(
+            "engine.compile=auto: the EAGLE-3 head runs eager, compiling failed: %s", reason
+        )
+        return False
+    if how == "auto":
+        ms = head.step_ms()
+        if ms >= eager:
+            head.uncompile()
+            log.warning("engine.compile=auto: the EAGLE-3 head's compiled step measured slower "
+                        "than eager (%.2f vs %.2f ms): eager", ms, eager)  # fmt: skip
+            return False
+        log.info("engine.compile=auto: the EAGLE-3 head's step %.2f ms compiled vs %.2f eager: "
+                 "compiled", ms, eager)  # fmt: skip
     return True

@@ -184,10 +184,11 @@ def test_the_compiled_loop_serves_every_arm_exactly_with_nothing_left_to_compile
     tiny_pair, tmp_path
 ):
     """engine.compile=true (dynamo's eager backend: the graphs and guards inductor would get):
-    after the warm-up, rows of every arm, joining and leaving, compile nothing more and give
-    target-only greedy output."""
+    after the warm-up, rows of every arm (the EAGLE-3 head's too, its dense parts compiled),
+    joining and leaving, compile nothing more and give target-only greedy output."""
     import threading
 
+    from pipeline import eagle3
     from pipeline.serving.scheduler import Job, Scheduler
     from pipeline.speculative.arms import parse_arm
     from pipeline.speculative.batch import RowBatch
@@ -198,9 +199,14 @@ def test_the_compiled_loop_serves_every_arm_exactly_with_nothing_left_to_compile
             "engine.compile=true", "engine.backend=eager"]  # fmt: skip
     cfg = load_config("configs/ci.yaml", sets)
     pair = models.load_pair(cfg, ws, cfg.models.draft)
+    torch.manual_seed(0)
+    vocab = list(range(pair.target.config.vocab_size))
+    pair.engine.head = eagle3.new_head(pair.target, vocab, None).eval()
     assert models.compile_engine(cfg, ws, pair) is True
+    assert pair.engine.head.compiled
     tok, eng = pair.tokenizer, pair.engine
     refs = {t: eng.generate(ids_for(tok, t), 0, 20).token_ids for t in PROMPTS}
+    arms = ("0", "draft:2", "draft:4", "ngram:4", "eagle:1", "eagle:3")
     loop = Scheduler(RowBatch(eng, 4))
     done, results = threading.Semaphore(0), []
 
@@ -208,17 +214,20 @@ def test_the_compiled_loop_serves_every_arm_exactly_with_nothing_left_to_compile
         results.append(job)
         done.release()
 
+    graphs = dict(torch._dynamo.utils.counters["stats"])  # (counted: the patch is per thread)
     with torch._dynamo.config.patch(error_on_recompile=True):
         jobs = [Job(ids_for(tok, t), 20, parse_arm(a), finished, epoch=0) for t in PROMPTS
-                for a in ("0", "draft:2", "draft:4", "ngram:4")]  # fmt: skip
+                for a in arms]  # fmt: skip
         for j in jobs:
             loop.submit(j)
         for _ in jobs:
             assert done.acquire(timeout=120)
-    texts = {id(j): t for j, t in zip(jobs, [t for t in PROMPTS for _ in range(4)], strict=True)}
+    texts = {id(j): t for j, t in zip(jobs, [t for t in PROMPTS for _ in arms], strict=True)}
     for j in results:
         assert j.error is None, j.error
         assert j.result.token_ids == refs[texts[id(j)]], j.arm
+    assert all(j.result.proposed for j in results if j.arm.strategy == "eagle")  # the head drafted
+    assert dict(torch._dynamo.utils.counters["stats"]) == graphs  # nothing compiled in a request
     loop.stop()
 
 

@@ -27,6 +27,7 @@ at guess j+1. So positions 2..k are trained, not only the first.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -183,6 +184,16 @@ class HeadCache:
             self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
 
 
+def _no_duck_shapes():
+    """Trace without duck sizing: torch ties dynamic sizes that are equal when traced (a read
+    of 4 states beside 4 attention heads), and a later read of another length recompiles in a
+    request. Private torch config: where it is gone, nothing changes."""
+    config = getattr(torch.fx.experimental, "_config", None)
+    if config is None or not hasattr(config, "use_duck_shape"):
+        return contextlib.nullcontext()
+    return config.patch(use_duck_shape=False)
+
+
 class Eagle3Head(nn.Module):
     """The head. `embed`: the target's input embedding module (frozen, shared, not saved)."""
 
@@ -200,6 +211,7 @@ class Eagle3Head(nn.Module):
         inv = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
         self.register_buffer("inv_freq", inv, persistent=False)
         self._embed = [embed]  # a list: not a submodule, so neither trained nor saved
+        self._dense: tuple[Callable, Callable, Callable] | None = None  # `compile`
 
     # -- the vocabulary ---------------------------------------------------------------------
     def set_vocab(self, target_ids: list[int]) -> None:
@@ -269,6 +281,61 @@ class Eagle3Head(nn.Module):
         """The target's three hidden states [.., 3H] -> the head's hidden [.., H]."""
         return self.fc(aux.to(self.fc.weight.dtype))
 
+    # -- compiled drafting ------------------------------------------------------------------
+    @property
+    def compiled(self) -> bool:
+        return self._dense is not None
+
+    def compile(self, backend: str = "inductor", mode: str | None = None) -> None:
+        """Run drafting's dense parts (`fuse`, the norms, q/k/v and RoPE; the output projection,
+        MLP, norm and pruned head) through `torch.compile`, dynamic in rows and tokens; the cache
+        append and the attention stay eager between them, as in the target's lean runner
+        (`runner.py`). Training stays eager. A row count or token count of 1 is its own graph
+        (torch specialises sizes of 1): `warm_up` runs each."""
+        self._dense = tuple(
+            torch.compile(f, dynamic=True, backend=backend, mode=mode)
+            for f in (self.fuse, self._qkv, self._out)
+        )
+
+    def uncompile(self) -> None:
+        self._dense = None
+
+    def _parts(self) -> tuple[Callable, Callable, Callable]:
+        return self._dense or (self.fuse, self._qkv, self._out)
+
+    @torch.inference_mode()  # as the step loop drafts (compiled graphs guard on the mode)
+    def warm_up(self, rows: int = 2) -> None:
+        """Draft once from scratch caches in every shape drafting uses: a read of several
+        states and of one, a guess of one row and of `rows` rows together (a compiled head
+        compiles them now, not in a request)."""
+        aux = torch.zeros(7, 3 * self.config.hidden_size, dtype=self.fc.weight.dtype)
+        with _no_duck_shapes():  # a size that happens to equal another is not tied to it
+            self.draft_many([([0] * 8, aux, HeadCache(), 3, None)])
+            jobs = [([0] * 8, aux, HeadCache(), 3, None) for _ in range(rows)]
+            self.draft_many(jobs)
+            self.draft_many([(s + [0], aux[:1], c, 3, None) for s, _, c, _, _ in jobs])
+
+    @torch.inference_mode()
+    def step_ms(self, context: int = 64, repeat: int = 30) -> float:
+        """Median milliseconds of one guess of one row (a one-token pass, the head's step)
+        after reading `context` states into a scratch cache; the cache is cut back after each."""
+        dev, dtype = self.fc.weight.device, self.fc.weight.dtype
+        _, pre = self.forward_step(
+            torch.zeros(1, context, dtype=torch.long, device=dev),
+            self.fuse(torch.zeros(context, 3 * self.config.hidden_size, dtype=dtype))[None],
+            0,
+            cache := HeadCache(),
+        )
+        times = []
+        for _ in range(repeat + 3):
+            t0 = time.perf_counter()
+            self.forward_step(torch.zeros(1, 1, dtype=torch.long, device=dev), pre[:, -1:],
+                              context, cache)  # fmt: skip
+            times.append(time.perf_counter() - t0)
+            cache.crop(context)
+        times = sorted(times[3:])
+        return 1000 * times[len(times) // 2]
+
     # -- drafting ---------------------------------------------------------------------------
     def forward_step(
         self, ids: torch.Tensor, hidden: torch.Tensor, start: int, cache: HeadCache
@@ -278,7 +345,8 @@ class Eagle3Head(nn.Module):
         logits [1, T, V_d] and pre-norm outputs [1, T, H]."""
         t = ids.shape[1]
         pos = torch.arange(start, start + t, device=ids.device)[None]
-        q, k, v, residual = self._qkv(self.embed(ids), hidden, pos)
+        _, qkv, out = self._parts()
+        q, k, v, residual = qkv(self.embed(ids), hidden, pos)
         k_all, v_all = cache.append(k, v)
         s = k_all.shape[2]
         # Causal over the new positions; every cached one visible.
@@ -286,7 +354,7 @@ class Eagle3Head(nn.Module):
         attn = F.scaled_dot_product_attention(
             q, self._expand(k_all), self._expand(v_all), attn_mask=mask
         )
-        return self._out(attn, residual)
+        return out(attn, residual)
 
     @torch.no_grad()
     def propose(
@@ -319,6 +387,7 @@ class Eagle3Head(nn.Module):
         sixteen rows costs about one for one. `on_pass(rows, seconds, job)`, if given, times
         each pass: a job's read (rows 1, its index) and each shared pass (its rows, None)."""
         dev, tids = self.fc.weight.device, self.target_ids
+        fuse = self._parts()[0]
         outs: list[list[int]] = []
         chain: list[tuple[int, torch.Tensor]] = []  # (job, the head's last pre-norm output)
         for i, (seq, fresh, cache, k, choose) in enumerate(jobs):
@@ -329,7 +398,7 @@ class Eagle3Head(nn.Module):
                     f"head cache at {have} of {m} positions, {fresh.shape[0]} new states"
                 )
             ids = torch.tensor([seq[have + 1 : m + 1]], device=dev)
-            logits, pre = self.forward_step(ids, self.fuse(fresh.to(dev))[None], have, cache)
+            logits, pre = self.forward_step(ids, fuse(fresh.to(dev))[None], have, cache)
             outs.append([self._pick(logits[0, -1], choose, tids)])  # (a pick syncs a device)
             if on_pass:
                 on_pass(1, time.perf_counter() - t0, i)
@@ -367,7 +436,8 @@ class Eagle3Head(nn.Module):
         cache's length; appends to each cache and attends over it (padded to the longest)."""
         starts = [c.length for c in caches]
         pos = torch.tensor(starts, device=ids.device)[:, None]
-        q, k, v, residual = self._qkv(self.embed(ids), hidden, pos)
+        _, qkv, out = self._parts()
+        q, k, v, residual = qkv(self.embed(ids), hidden, pos)
         longest = max(starts) + 1
         r, heads, _, d = k.shape
         keys, values = k.new_zeros(r, heads, longest, d), v.new_zeros(r, heads, longest, d)
@@ -379,7 +449,7 @@ class Eagle3Head(nn.Module):
         attn = F.scaled_dot_product_attention(
             q, self._expand(keys), self._expand(values), attn_mask=mask
         )
-        return self._out(attn, residual)
+        return out(attn, residual)
 
     # -- training ---------------------------------------------------------------------------
     def ttt_logits(
