@@ -95,6 +95,9 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
         raise InputError(
             f"no distilled draft at {ws.merged}: run train and merge first, or bench with --draft base"
         )
+    # The head beside the drafts (serve compares the two kinds): resolved before the runs, so a
+    # missing one fails at once, not after every row is measured.
+    head = models.head_ref(cfg, ws)
     rows = read_jsonl(ws.test_file)[: cfg.bench.prompts]
     target = models.load_pair(cfg, ws, None)
     compiled = models.compile_engine(cfg, ws, target)
@@ -115,7 +118,6 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
     results["engine"] = engine_summary(cfg, records, engines)
     # Which weights each row measured: the server names a draft's acceptance only for these.
     results["draft_weights"] = {d: engines[d]["weights"] for d in drafts}
-    head = models.head_ref(cfg, ws)  # and the head beside them (serve compares the two kinds)
     results["head_weights"] = weights_id(head) if head else None
     ws.bench.mkdir(parents=True, exist_ok=True)
     atomic_write_json(ws.bench_results, results)
@@ -212,6 +214,12 @@ def free_arms(cfg: Config) -> list[str]:
     return [a for a in cfg.bench.fixed_arms if usable(a, False, False)]
 
 
+def draft_spec(cfg: Config, ws: Workspace, draft: str) -> str:
+    """What a bench draft names: base, distilled, or a directory (a merged draft or an exported
+    EAGLE-3 head)."""
+    return {"base": cfg.models.draft, "distilled": str(ws.merged)}.get(draft, draft)
+
+
 def measure_all(
     cfg: Config, ws: Workspace, telemetry, drafts, rows, target, ids, engines: dict,
     check: DistributionCheck | None = None,
@@ -219,9 +227,6 @@ def measure_all(
     """One record per (draft, mode, prompt): target-only first, then each draft's modes.
     `engines[draft]` gets how each draft's engine ran (compiled, its head subset); `check`
     (the sampled protocol) compares each measured arm's samples while its models are loaded."""
-    # base, distilled, or a directory (a merged draft or an exported EAGLE-3 head)
-    draft_specs = {"base": cfg.models.draft, "distilled": str(ws.merged)}
-    draft_specs.update({d: d for d in drafts if d not in draft_specs})
     records: list[dict] = []
 
     def core_of(pair: models.Pair, draft: str | None, state=None, policy=None) -> ServingCore:
@@ -238,7 +243,7 @@ def measure_all(
     if check is not None:
         check.compare("none", target.engine, free_arms(cfg))
     for draft in drafts:
-        pair = models.load_pair(cfg, ws, draft_specs[draft], share_target=target)
+        pair = models.load_pair(cfg, ws, draft_spec(cfg, ws, draft), share_target=target)
         engines[draft] = {
             "compiled": models.compile_engine(cfg, ws, pair),
             "head_ids": pair.engine.draft_head_ids,
@@ -421,7 +426,7 @@ def summarise(
             "top_k": cfg.bench.top_k,
         },
         "drafts": drafts,
-        "draft_models": {d: (cfg.models.draft if d == "base" else str(ws.merged)) for d in drafts},
+        "draft_models": {d: draft_spec(cfg, ws, d) for d in drafts},
         "target_model": cfg.models.target,
         "rows": result_rows,
         "distillation_gain": gains,

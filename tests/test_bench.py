@@ -129,11 +129,22 @@ def test_bench_ci_end_to_end(merged_ws, tmp_path, cli):
         assert (bench / png).read_bytes()[:4] == b"\x89PNG"
 
 
-def test_bench_base_only_and_missing_distilled(merged_ws, tmp_path, cli):
+def test_bench_base_only_and_missing_distilled(merged_ws, tmp_path, cli, monkeypatch):
     art = tmp_path / "art"
     shutil.copytree(merged_ws, art, ignore=shutil.ignore_patterns("merged", "bench"))
     r = cli("bench", *CI, "--artifacts", art)
     assert r.returncode == 2 and "--draft base" in r.log
+    # A head that is not built yet fails before any model is loaded, not after every row.
+    from pipeline import bench
+
+    loads = []
+    real_load = bench.models.load_pair
+    monkeypatch.setattr(
+        bench.models, "load_pair", lambda *a, **k: loads.append(a) or real_load(*a, **k)
+    )
+    r = cli("bench", *CI, "--artifacts", art, "--draft", "base", "--set", "models.head=distilled")
+    assert r.returncode == 2 and "models.head=distilled: no merged head" in r.log
+    assert loads == [] and not (art / "bench").exists()
     sets = ["bench.prompts=3", "bench.fixed_arms=[2,8]", "bench.seed_bandit=true"]
     r = cli(
         "bench",
@@ -398,3 +409,17 @@ def test_gpu_script_runs_on_the_cpu(tmp_path, mbpp_path):
     assert all(r["identical_to_target_only"] and r["tokens_per_second"] > 0 for r in rows.values())
     assert rows["self-draft fixed_2 compiled"]["acceptance"] == 1.0  # every guess its own
     assert "| target-only compiled |" in (out / "engine.md").read_text()
+
+
+def test_a_benched_draft_names_its_own_weights(tmp_path):
+    """The report's draft header names what ran: the base spec, the merged draft, or the
+    directory given (an exported EAGLE-3 head is not the workspace's merged draft)."""
+    from pipeline.bench import draft_spec
+    from pipeline.config import load_config
+    from pipeline.workspace import Workspace
+
+    cfg, ws = load_config("configs/ci.yaml", []), Workspace(tmp_path)
+    head = str(tmp_path / "perf" / "eagle3" / "h" / "head")
+    assert draft_spec(cfg, ws, "base") == cfg.models.draft
+    assert draft_spec(cfg, ws, "distilled") == str(ws.merged)
+    assert draft_spec(cfg, ws, head) == head
