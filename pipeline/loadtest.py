@@ -251,7 +251,9 @@ def _moved(before: dict | None, after: dict | None) -> dict | None:
 
 
 def summarise(rounds: list[dict]) -> dict[str, Any]:
-    """One point from `run_round`s: their requests pooled, their wall clocks added."""
+    """One point from `run_round`s: their requests pooled, their wall clocks added; and each
+    round's own tokens/s (`round_tokens_per_second`), so two modes interleaved on the same
+    slices compare round by round (`benchmarks.serving_load`: the spread of a ratio)."""
     results = [r for rnd in rounds for r in rnd["results"]]
     wall = sum(rnd["wall_s"] for rnd in rounds)
     moved = [_moved(rnd["before"], rnd["after"]) for rnd in rounds]
@@ -283,6 +285,12 @@ def summarise(rounds: list[dict]) -> dict[str, Any]:
         "wall_s": wall,
         "output_tokens": sum(r["tokens"] for r in ok),
         "tokens_per_second": sum(r["tokens"] for r in ok) / wall if wall > 0 else 0.0,
+        "round_tokens_per_second": [
+            sum(r["tokens"] for r in rnd["results"] if r["status"] == 200) / rnd["wall_s"]
+            if rnd["wall_s"] > 0
+            else 0.0
+            for rnd in rounds
+        ],
         "p50_latency_s": report.percentile(lat, 50) if lat else None,
         "p95_latency_s": report.percentile(lat, 95) if lat else None,
         "p50_ttft_s": report.percentile(ttft, 50) if ttft else None,

@@ -277,6 +277,12 @@ def test_serving_load_sweeps_every_mode_and_names_the_bandits_arms(
     assert (art / "perf" / "serving_load.png").stat().st_size > 0
     md = (art / "perf" / "serving_load.md").read_text()
     assert "x** target-only" in md and "| phoenix | bandit | 3 |" in md
+    # Each ratio with its rounds: the paired comparison of the same slices.
+    bandit, target = modes["bandit"]["3"], modes["target"]["3"]
+    assert len(bandit["round_tokens_per_second"]) == 2
+    ratios = serving_load.round_ratios(bandit, target)
+    assert min(ratios) <= bandit["tokens_per_second"] / target["tokens_per_second"] <= max(ratios)
+    assert f"rounds {min(ratios):.2f}-{max(ratios):.2f}x" in md
 
 
 @pytest.mark.slow

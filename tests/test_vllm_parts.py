@@ -114,6 +114,7 @@ def test_rounds_of_a_point_pool_their_requests_clocks_and_counters():
     p = loadtest.summarise([one, two])
     assert p["requests"] == p["succeeded"] == 4 and p["output_tokens"] == 60
     assert p["tokens_per_second"] == 60 / 6.0
+    assert p["round_tokens_per_second"] == [20 / 2.0, 40 / 4.0]  # each round's own
     assert p["acceptance"] == 8 / 24 and p["per_position"] == [5 / 8]
     assert p["arms"] == {"0": 1, "ngram:2": 3} and p["speculated_because"] == {"exploited": 3}
     assert p["p95_latency_s"] > p["p50_latency_s"]
