@@ -732,15 +732,16 @@ def test_goodput_counts_the_other_rows_proposals_in_every_rows_step():
     assert b.choose(blind).arm == "0"  # the other row's head left out: a near-tie, plain
 
 
-def test_an_eagle_row_pays_its_read_and_what_it_adds_to_the_shared_head_passes():
+def test_an_eagle_row_pays_what_it_adds_to_the_shared_head_passes_its_read_included():
     """The head's passes are batched (a pass over two rows costs little more than over one),
-    and each row's first guess is its own read. So a guessing eagle row costs every row beside
-    it its whole head (read + passes), and an eagle row beside another eagle row adds its read
-    and the growth of the shared passes: priced as an equal share of a mixed step, a guess
-    beside a guessing row paid too much, and plain beside it too little."""
+    the rows' reads of their states included (one pass over them all, each row's first
+    guess). So a guessing eagle row costs every row beside it its whole head, and an eagle row
+    beside another eagle row adds the growth of the passes it shares: priced as an equal
+    share of a mixed step, a guess beside a guessing row paid too much, and plain beside it
+    too little. A row the gate holds back shares a pass only in the steps it guesses in."""
     from types import SimpleNamespace
 
-    from pipeline.speculative.bandit import Context, drafting_seconds
+    from pipeline.speculative.bandit import Context, added_passes, drafting_seconds, head_rows
 
     b = goodput_bandit(arms=("0", "eagle:4"))
     for _ in range(2):
@@ -755,18 +756,23 @@ def test_an_eagle_row_pays_its_read_and_what_it_adds_to_the_shared_head_passes()
                                hcache=object(), dslot=None)  # fmt: skip
 
     one = eagle(4, rounds=10, proposed=30)  # 3 guesses a step: its read, then 2 passes
-    assert drafting_seconds([one], None, head) == pytest.approx(0.0032 + 2 * 0.0032)
-    two = [one, eagle(2)]  # reads 2 x H(1); 1 pass over both, 1 over the first
-    assert drafting_seconds(two, None, head) == pytest.approx(2 * 0.0032 + 0.0034 + 0.0032)
+    assert drafting_seconds([one], None, head) == pytest.approx(3 * 0.0032)
+    two = [one, eagle(2)]  # the reads and the second guesses over both, the third over one
+    assert drafting_seconds(two, None, head) == pytest.approx(2 * 0.0034 + 0.0032)
     # Held back in 9 of 10 steps (the gate): one step's read and passes in ten, not every step.
     held = eagle(4, rounds=10, proposed=4, guessed=1)
-    assert drafting_seconds([held], None, head) == pytest.approx(0.1 * (0.0032 + 3 * 0.0032))
+    assert drafting_seconds([held], None, head) == pytest.approx(0.1 * 4 * 0.0032)
+    # ... and it counts as a tenth of a row beside which another shares the passes.
+    assert head_rows([one, held]) == pytest.approx(1.1)
+    grown = 0.9 * (0.0034 - 0.0032) + 0.1 * (0.0035 - 0.0034)
+    assert added_passes(head, 1.1, 2) == pytest.approx(2 * grown)
+    assert added_passes(head, 0.5, 1) == pytest.approx(0.5 * 0.0032 + 0.5 * 0.0002)
     mixed = Context(rows=2, step_cost=step, head_cost=head, others_fed=4.0, others_tokens=2.5,
                     others_drafting=drafting_seconds([one], None, head))  # fmt: skip
     base = 0.028 + mixed.others_drafting
     assert b.predict("0", mixed) == pytest.approx(3.5 / (base + 0.002 * 5))
-    guessing = replace(mixed, head_rows=1)  # its read, and 3 passes grown from 1 row to 2
-    own = 0.0032 + 3 * 0.0002
+    guessing = replace(mixed, head_rows=1)  # 4 passes (the read first) grown from 1 row to 2
+    own = 4 * 0.0002
     tokens = 2.5 + 1 + 0.6 + 0.4 + 0.3 + 0.2
     assert b.predict("eagle:4", guessing) == pytest.approx(
         tokens / (base + 0.002 * 9 + own)

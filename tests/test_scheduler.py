@@ -295,10 +295,10 @@ def test_a_proposer_curve_prices_a_guess_without_catching_up_on_a_held_back_stre
 
 
 def test_the_head_curve_times_each_pass_against_the_rows_in_it(engine):
-    """Eagle rows draft together: each reads its states in a pass of its own, then their later
-    guesses share one head pass per position. `head_cost` times each pass against its rows,
-    so the policy can price what a row adds to the passes beside another (not an equal share
-    of the whole). Their first turn reads the whole prompt: untimed."""
+    """Eagle rows draft together: their reads of their states are one pass over them all,
+    then their later guesses share one head pass per position. `head_cost` times each pass
+    against its rows, so the policy can price what a row adds to the passes beside another
+    (not an equal share of the whole). Their first turn reads the whole prompt: untimed."""
     tok, eng = engine
     batch = RowBatch(eng, max_rows=2)
     batch.join([(i, user_prompt_ids(tok, PROMPTS[i]), 30, parse_arm("eagle:3")) for i in (0, 1)])
@@ -307,8 +307,8 @@ def test_the_head_curve_times_each_pass_against_the_rows_in_it(engine):
     batch.head_cost.observe = lambda n, s, rows=None: (seen.append((batch.steps, n)), observe(n, s))
     for _ in range(3):
         batch.step()
-    assert seen == [(0, 2), (0, 2)] + [(s, n) for s in (1, 2) for n in (1, 1, 2, 2)]
-    assert [x for x, _ in batch.head_cost.curve()] == [1.0, 2.0]
+    assert seen == [(0, 2), (0, 2)] + [(s, 2) for s in (1, 2) for _ in range(3)]
+    assert [x for x, _ in batch.head_cost.curve()] == [2.0]  # every pass over both rows
 
 
 def test_the_step_curve_times_the_whole_step_less_draft_passes_and_callbacks(engine):

@@ -20,7 +20,7 @@ from .. import drafts, models
 from ..artifacts import weights_id
 from ..config import Config
 from ..speculative.arms import parse_arm, usable
-from ..speculative.bandit import Context, GoodputBandit, drafting_seconds, per_step
+from ..speculative.bandit import Context, GoodputBandit, drafting_seconds, head_rows, per_step
 from ..speculative.batch import RowBatch
 from .policy import Policy, make_policy
 from .request import CoreResult, Mode, Request, parse_mode
@@ -136,7 +136,7 @@ class ServingCore:
             draft_cost=draft,
             draft_rows=sum(1 for r in beside if r.dslot is not None),
             head_cost=head,
-            head_rows=sum(1 for r in beside if r.hcache is not None),
+            head_rows=head_rows(beside),
             temperature=temperature,
             others_fed=fed + plain,
             others_tokens=tokens + plain,

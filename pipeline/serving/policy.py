@@ -38,6 +38,7 @@ from ..speculative.bandit import (
     EpsilonGreedy,
     GoodputBandit,
     drafting_seconds,
+    head_rows,
     load_bandit,
     per_step,
     save_bandit,
@@ -133,7 +134,6 @@ class Policy:
             return [True] * len(rows)
         fed, tokens = per_step(rows)
         drafting = sum(r.dslot is not None for r in rows)
-        heads = sum(r.hcache is not None for r in rows)
         out = []
         for r in rows:
             if not r.adaptive or r.arm.k == 0:
@@ -147,7 +147,7 @@ class Policy:
                 draft_cost=draft_cost,
                 draft_rows=drafting - (r.dslot is not None),
                 head_cost=head_cost,
-                head_rows=heads - (r.hcache is not None),
+                head_rows=head_rows(others),
                 temperature=r.sampling.temperature,
                 others_fed=fed - f,
                 others_tokens=tokens - t,

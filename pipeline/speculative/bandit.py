@@ -62,7 +62,7 @@ class Context:
     # One EAGLE-3 head pass against rows in it (eagle rows draft together; a row's read of its
     # states is a pass of one).
     head_cost: tuple[tuple[float, float], ...] | None = None
-    head_rows: int = 0  # rows drafting with the head now (without this one)
+    head_rows: float = 0.0  # rows drafting with the head now (without this one; `head_rows`)
     # What the other rows of that batch feed and commit per step (None: rows - 1 plain rows).
     others_fed: float | None = None
     others_tokens: float | None = None
@@ -127,38 +127,52 @@ def shared_passes(curve, guesses) -> float:
     return seconds
 
 
+def guessing_share(r) -> float:
+    """The share of a step loop row's (`batch.Row`) steps it guessed in so far (not stepped
+    yet: every step)."""
+    return min(1.0, r.guess_rounds / r.rounds) if r.rounds else 1.0
+
+
+def head_rows(rows) -> float:
+    """The EAGLE-3 rows of `rows` (`batch.Row`) that share the head's passes, each weighted by
+    the share of steps it guesses in: a row the gate holds back reads nothing and shares no
+    pass. (Counted whole, four held-back eagle rows priced a fifth's head at a pass's growth
+    from four rows to five, where it would run its passes alone.)"""
+    return sum(guessing_share(r) for r in rows if r.hcache is not None)
+
+
 def drafting_seconds(rows, draft_cost, head_cost) -> float:
     """Seconds a step of the step loop's `rows` (`batch.Row`) spends on their proposals, from
     the loop's curves (`Context.draft_cost`, `head_cost`; None: not measured, 0): the draft
-    model's rows share one batched pass per position, each over the rows still guessing; an
-    EAGLE-3 row reads its states in a pass of its own (its first guess), in the steps it
-    guesses, and its later guesses share the head's passes as the draft model's rows do;
-    prompt lookup is free. Each row's guesses per step, and the share of its steps it guessed
-    in, are its own means so far (not stepped yet: its k, every step). (A row the gate holds
-    back in most steps charged a read every step, the policy saw a head the batch did not pay
-    for, and a guess beside such rows looked cheaper than it was.)"""
+    model's rows share one batched pass per position, each over the rows still guessing, and
+    so do the EAGLE-3 rows (their reads of their states are one pass over them all, their
+    first guess; `Eagle3Head.draft_many`); prompt lookup is free. Each row's guesses per step
+    are its own mean so far, over every step (not stepped yet: its k): a row the gate holds
+    back in most steps adds little. (Charged a read every step, such rows showed the policy
+    a head the batch did not pay for, and a guess beside them looked cheaper than it was.)"""
 
     def guesses(r) -> float:
         return r.proposed / r.rounds if r.rounds else float(r.arm.k)
 
-    def guessing(r) -> float:
-        return min(1.0, r.guess_rounds / r.rounds) if r.rounds else 1.0
-
     seconds = 0.0
     if head_cost:
-        eagle = [(g, guessing(r)) for r in rows if r.hcache is not None and (g := guesses(r)) > 0]
-        seconds += sum(f for _, f in eagle) * step_seconds(head_cost, 1)
-        seconds += shared_passes(head_cost, [g - f for g, f in eagle])
+        seconds += shared_passes(head_cost, [guesses(r) for r in rows if r.hcache is not None])
     if draft_cost:
         seconds += shared_passes(draft_cost, [guesses(r) for r in rows if r.dslot is not None])
     return seconds
 
 
-def added_passes(curve, rows: int, passes: float) -> float:
+def added_passes(curve, rows: float, passes: float) -> float:
     """What a row adds to `passes` batched passes that `rows` other rows make already: each
-    pass's growth from `rows` to `rows` + 1 (alone: the whole pass)."""
-    grown = step_seconds(curve, rows + 1) - (step_seconds(curve, rows) if rows else 0.0)
-    return passes * max(0.0, grown)
+    pass's growth from `rows` to `rows` + 1 (alone: the whole pass). `rows` may be a fraction
+    (rows that share only some passes, `head_rows`): between its two whole neighbours."""
+
+    def grown(n: int) -> float:
+        return step_seconds(curve, n + 1) - (step_seconds(curve, n) if n else 0.0)
+
+    lo = int(rows)
+    w = rows - lo
+    return passes * max(0.0, (1 - w) * grown(lo) + (w * grown(lo + 1) if w else 0.0))
 
 
 @dataclass(frozen=True)
@@ -463,10 +477,12 @@ class GoodputBandit(EpsilonGreedy):
                                                   (Q_s[-1] = 1, Q_s[k] = 0): the step
                                                   priced per number of guesses j
         draft(s:k)  = [s = draft] * k * (D(1) if no other row drafts, else D(m + 1) - D(m))
-                      + [s = eagle] * (H(1) + (k - 1) * (H(1) if no other row uses the
-                                       head, else H(m + 1) - H(m)))
-                                                  (an eagle row reads its states in a pass of
-                                                  its own, then shares the passes)
+                      + [s = eagle] * k * (H(1) if no other row uses the head, else
+                                           H(m + 1) - H(m))
+                                                  (the eagle rows read their states in one
+                                                  pass, then share a pass per guess; m: the
+                                                  other eagle rows weighted by the share of
+                                                  steps they guess in, `head_rows`)
         goodput     = (R_o + tokens) / (step + P_o + draft)
                                                   (arm 0: (R_o + 1) / (S(F_o + 1) + P_o))
 
@@ -560,9 +576,8 @@ class GoodputBandit(EpsilonGreedy):
             last = more
         if s == "draft" and context.draft_cost is not None:
             cost += added_passes(context.draft_cost, context.draft_rows, k)
-        if s == "eagle" and context.head_cost is not None:  # its own read, then shared passes
-            h = context.head_cost
-            cost += step_seconds(h, 1) + added_passes(h, context.head_rows, k - 1)
+        if s == "eagle" and context.head_cost is not None:  # its read and guesses: shared
+            cost += added_passes(context.head_cost, context.head_rows, k)
         return (tokens_o + tokens) / max(cost, 1e-9)
 
     def seed(self, prior: dict[str, tuple[list, list, list]], rounds: float) -> list[str]:

@@ -230,7 +230,7 @@ class RowBatch:
         self.limit = min(limit, model_limit) if limit else model_limit
         self.cost = StepCost()  # the target pass: time against tokens fed
         self.draft_cost = StepCost()  # one draft pass: time against rows drafted for
-        self.head_cost = StepCost()  # one head pass: time against rows in it (a read: one)
+        self.head_cost = StepCost()  # one head pass (a read, or a guess): time against its rows
         self.rows: list[Row] = []
         self.epoch = 0  # bumped by each `set_engine` (a new draft)
         self.steps = 0
@@ -551,10 +551,10 @@ class RowBatch:
         pass per position (`Eagle3Head.draft_many`), greedy or drawn (a sampled row keeps each
         guess's distribution, over the target's vocabulary, for verify). Each row is charged an
         equal share of the time. `head_cost` times each pass against its rows, as `draft_cost`
-        does: a row's read of its states is a pass of one row, then each shared pass (what a
-        row adds to the head is its read and the growth of the shared passes; priced as an
-        equal share, a guessing row beside another paid more than it added, and a plain row
-        beside one guessing less than that neighbour's whole head costs every row of the step).
+        does: the rows' reads of their states are one pass over them all, then each shared pass
+        (what a row adds to the head is the growth of the passes it is in; priced as an equal
+        share, a guessing row beside another paid more than it added, and a plain row beside
+        one guessing less than that neighbour's whole head costs every row of the step).
         Returns the seconds."""
         rows = [r for r in rows if r.aux_new]  # a one-token prompt: no target state yet
         if not rows:
@@ -578,8 +578,8 @@ class RowBatch:
 
             jobs.append((r.seq, fresh, r.hcache, r.k_eff, choose))
 
-        def timed(n: int, seconds: float, job: int | None) -> None:
-            if job is None or steady[job]:  # a catch-up read is the row's, not a guess's price
+        def timed(n: int, seconds: float, read: bool) -> None:
+            if not read or all(steady):  # a catch-up read is the row's, not a guess's price
                 self.head_cost.observe(n, seconds)
 
         for r, drafts in zip(rows, head.draft_many(jobs, on_pass=timed), strict=True):
