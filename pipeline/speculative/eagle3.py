@@ -464,7 +464,7 @@ class Eagle3Head(nn.Module):
 
     @staticmethod
     def _pick(scores: torch.Tensor, choose, tids: torch.Tensor) -> int:
-        return int(tids[int(scores.argmax()) if choose is None else choose(scores)])
+        return int(tids[int(scores.float().argmax()) if choose is None else choose(scores)])
 
     def _step_rows(
         self, ids: torch.Tensor, hidden: torch.Tensor, caches: list[HeadCache]

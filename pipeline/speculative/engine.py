@@ -279,7 +279,7 @@ class SpeculativeEngine:
 
         t0 = time.perf_counter()
         logits = self.target_step([st.seq[-1], *drafts], st.t_cache, k + 1)
-        preds = logits.argmax(dim=-1).tolist()
+        preds = logits.float().argmax(dim=-1).tolist()
         st.verify_s += time.perf_counter() - t0
 
         m = 0

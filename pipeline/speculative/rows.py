@@ -288,7 +288,7 @@ def target_scores(
     model, cache: RowCache, slots: Sequence[int], feeds: Sequence[Sequence[int]], pad_id: int = 0
 ) -> list[list[int]]:
     """Feed each row its tokens; returns each row's greedy choice after every fed token."""
-    return split_rows(target_logits(model, cache, slots, feeds).argmax(-1).tolist(), feeds)
+    return split_rows(target_logits(model, cache, slots, feeds).float().argmax(-1).tolist(), feeds)
 
 
 @torch.inference_mode()
