@@ -1,9 +1,13 @@
 """The step loop in process (no server): 1 and 8 rows of one arm, the held-out prompts, 48 tokens.
 
-    .venv/bin/python -m benchmarks.loop_arms [--mixed | --grid | --profile] [--arms 0 ngram:4 eagle:4] [--set k=v ...]
+    .venv/bin/python -m benchmarks.loop_arms [--mixed | --grid | --profile | --kept ROWS]
+        [--arms 0 ngram:4 eagle:4] [--set k=v ...]
 
 Prints per arm and row count: steps, wall seconds, tokens/s, mean step, and the loop's measured
 step-cost curve ((tokens fed, ms) per size bucket) that the goodput policy predicts with.
+`--kept 4 --arms eagle:2`: 4 rows kept full over 16 prompts (one joins as one leaves), all plain,
+all eagle:2 held back by the gate, all eagle:2 guessing; tokens/s and the head's ms a step
+(`--temperature 0.7`: sampled).
 `--mixed`: instead, 16 rows: all plain, against 10 plain + 6 bandit (adaptive) ngram:4 rows that
 the per-step gate holds back, and the same 6 guessing; twice, alternated. Needs a workspace with
 the split (`make demo`, or `python -m pipeline split`). `--set models.dtype=float32` (or
@@ -43,6 +47,41 @@ def mixed(pair, prompts) -> None:
                                  ("10 plain + 6 ngram:4 held back", six, held),
                                  ("10 plain + 6 ngram:4 guessing", six, None)):  # fmt: skip
             print(f"{name}: {run(arms, gate):.1f} tok/s", flush=True)
+
+
+def kept(pair, prompts, arm: str, width: int = 4, n: int = 16, temperature: float = 0.0) -> None:
+    """`width` rows kept full over `n` prompts (a new one joins as one leaves, as a loaded
+    server's batch): all plain, all `arm` held back by the gate, all `arm` guessing; twice,
+    the order reversed; sampled at `temperature` (seeded per prompt), else greedy. Per run:
+    tokens/s and the proposals' (head or draft passes) mean milliseconds a step."""
+    from pipeline.speculative.sampling import Sampling
+
+    def run(a: str, gate) -> tuple[float, float]:
+        b = RowBatch(pair.engine, max_rows=16)
+        spent: list[float] = []
+        for name in ("_eagle", "_draft"):
+            inner = getattr(b, name)
+            setattr(b, name, lambda rs, inner=inner: spent.append(inner(rs)) or spent[-1])
+        todo, tokens, steps = list(range(n)), 0, 0
+        t0 = time.perf_counter()
+        while todo or b.rows:
+            while todo and len(b.rows) < width:
+                i = todo.pop(0)
+                how = Sampling(temperature=temperature, seed=i)
+                for r in b.join([(i, prompts[i % len(prompts)], 48, parse_arm(a), how)]):
+                    r.adaptive = True
+            tokens += sum(len(r.out) for r, _ in b.step(gate=gate))
+            steps += 1
+        return tokens / (time.perf_counter() - t0), 1000 * sum(spent) / steps
+
+    held = lambda rows: [False] * len(rows)  # noqa: E731 - the gate says no to every row
+    cases = [("plain", "0", None), (f"{arm} held back", arm, held), (f"{arm} guessing", arm, None)]
+    run("0", None)  # warm
+    for rnd in range(2):
+        for name, a, gate in cases if rnd == 0 else cases[::-1]:
+            tps, ms = run(a, gate)
+            print(f"{width} rows kept full, {name}: {tps:.1f} tok/s, proposals {ms:.2f} ms a step",
+                  flush=True)  # fmt: skip
 
 
 def profile(pair) -> None:
@@ -115,6 +154,13 @@ def main() -> None:
         help="step time against rows and tokens fed, the first of --arms guessing",
     )
     ap.add_argument("--profile", action="store_true", help="a target pass's time in matmuls")
+    ap.add_argument(
+        "--kept",
+        type=int,
+        metavar="ROWS",
+        help="ROWS rows kept full over 16 prompts: plain, the first of --arms held back, guessing",
+    )
+    ap.add_argument("--temperature", type=float, default=0.0, help="--kept: sample at this")
     ap.add_argument("--set", action="append", default=[], help="config key=value")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -143,6 +189,9 @@ def main() -> None:
         return
     if args.profile:
         profile(pair)
+        return
+    if args.kept:
+        kept(pair, prompts, args.arms[0], args.kept, temperature=args.temperature)
         return
     for arm in args.arms:
         for rows in (1, 8):
