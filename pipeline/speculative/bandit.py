@@ -59,8 +59,8 @@ class Context:
     step_cost: tuple[tuple[float, float], ...] | None = None
     draft_cost: tuple[tuple[float, float], ...] | None = None
     draft_rows: int = 0  # rows drafting with the draft model now (without this one)
-    # One EAGLE-3 head pass against rows in it (eagle rows draft together; a row's read of its
-    # states is a pass of one).
+    # One EAGLE-3 head pass against rows in it (eagle rows draft together, their reads of their
+    # states in one pass).
     head_cost: tuple[tuple[float, float], ...] | None = None
     head_rows: float = 0.0  # rows drafting with the head now (without this one; `head_rows`)
     # What the other rows of that batch feed and commit per step (None: rows - 1 plain rows).

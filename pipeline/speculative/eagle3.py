@@ -38,6 +38,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .sampling import greedy_ids
+
 
 @dataclass(frozen=True)
 class Eagle3Config:
@@ -349,14 +351,7 @@ class Eagle3Head(nn.Module):
         pos = torch.arange(start, start + t, device=ids.device)[None]
         _, qkv, out = self._parts()
         q, k, v, residual = qkv(self.embed(ids), hidden, pos)
-        k_all, v_all = cache.append(k, v)
-        s = k_all.shape[2]
-        # Causal over the new positions; every cached one visible.
-        mask = torch.ones(t, s, dtype=torch.bool, device=ids.device).tril(s - t)
-        attn = F.scaled_dot_product_attention(
-            q, self._expand(k_all), self._expand(v_all), attn_mask=mask
-        )
-        return out(attn, residual)
+        return out(self._attend(q, k, v, cache), residual)
 
     @torch.no_grad()
     def propose(
@@ -420,6 +415,16 @@ class Eagle3Head(nn.Module):
             cache.crop(len(seq) - 1)
         return outs
 
+    def _attend(self, q, k, v, cache: HeadCache) -> torch.Tensor:
+        """One sequence's new positions [1, heads, T, d]: their keys and values appended to
+        its cache, attention causal over them, every cached position visible."""
+        k_all, v_all = cache.append(k, v)
+        t, s = q.shape[2], k_all.shape[2]
+        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+        return F.scaled_dot_product_attention(
+            q, self._expand(k_all), self._expand(v_all), attn_mask=mask
+        )
+
     def _read_rows(self, jobs: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
         """Every job's fresh states (job: seq, fresh, cache, k, choose) in one pass: the dense
         parts over all rows' new positions flattened ([1, sum of reads]), attention row by row
@@ -449,13 +454,7 @@ class Eagle3Head(nn.Module):
         parts, start = [], 0
         for (_, _, cache, _, _), t in zip(jobs, sizes, strict=True):
             rows = slice(start, start + t)
-            k_all, v_all = cache.append(k[:, :, rows], v[:, :, rows])
-            s = k_all.shape[2]
-            # Causal over the new positions; every cached one visible.
-            mask = torch.ones(t, s, dtype=torch.bool, device=dev).tril(s - t)
-            parts.append(F.scaled_dot_product_attention(
-                q[:, :, rows], self._expand(k_all), self._expand(v_all), attn_mask=mask
-            ))  # fmt: skip
+            parts.append(self._attend(q[:, :, rows], k[:, :, rows], v[:, :, rows], cache))
             start += t
         attn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         normed, pre = out(attn, residual, False)
@@ -464,7 +463,7 @@ class Eagle3Head(nn.Module):
 
     @staticmethod
     def _pick(scores: torch.Tensor, choose, tids: torch.Tensor) -> int:
-        return int(tids[int(scores.float().argmax()) if choose is None else choose(scores)])
+        return int(tids[int(greedy_ids(scores)) if choose is None else choose(scores)])
 
     def _step_rows(
         self, ids: torch.Tensor, hidden: torch.Tensor, caches: list[HeadCache]

@@ -28,6 +28,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from .proposers import PROPOSERS, Drafter, Proposer
+from .sampling import greedy_ids
 from .steps import ModelStep, context_limit, crop_to, warm_up
 
 
@@ -279,7 +280,7 @@ class SpeculativeEngine:
 
         t0 = time.perf_counter()
         logits = self.target_step([st.seq[-1], *drafts], st.t_cache, k + 1)
-        preds = logits.float().argmax(dim=-1).tolist()
+        preds = greedy_ids(logits).tolist()
         st.verify_s += time.perf_counter() - t0
 
         m = 0

@@ -38,6 +38,8 @@ from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .sampling import greedy_ids
+
 ATTENTION = "phoenix_rows"
 
 
@@ -288,7 +290,7 @@ def target_scores(
     model, cache: RowCache, slots: Sequence[int], feeds: Sequence[Sequence[int]], pad_id: int = 0
 ) -> list[list[int]]:
     """Feed each row its tokens; returns each row's greedy choice after every fed token."""
-    return split_rows(target_logits(model, cache, slots, feeds).float().argmax(-1).tolist(), feeds)
+    return split_rows(greedy_ids(target_logits(model, cache, slots, feeds)).tolist(), feeds)
 
 
 @torch.inference_mode()

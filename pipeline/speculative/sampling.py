@@ -66,6 +66,14 @@ class Sampling:
 GREEDY = Sampling()
 
 
+def greedy_ids(scores: torch.Tensor) -> torch.Tensor:
+    """The best id per row of `scores` [..., V], taken in float32: the same ids (bf16 widens
+    exactly; the first maximum wins in both), and bf16's CPU argmax over the target's 49,152
+    ids took 976 us for 12 tokens against 419 us with the widening, 3.8 ms against 1.8 at 48
+    (Intel Xeon, 2026-12-06)."""
+    return scores.float().argmax(-1)
+
+
 def probabilities(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """The distribution a sampled request draws from, per row of `logits` ([..., V]): divided
     by the temperature, cut to the top_k tokens, then to the smallest set whose mass reaches
