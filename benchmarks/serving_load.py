@@ -227,12 +227,15 @@ def plot(results: dict, path: Path) -> None:
 
 
 def guessing(p: dict) -> str:
-    """The bandit's guessing requests at a point: the mean rows of the batch they joined, and
-    the share of their steps the per-step gate let them guess."""
-    rows, share = p.get("guessing_joined_rows"), p.get("guessing_steps_share")
+    """The bandit's guessing requests at a point: the mean rows of the batch they joined, the
+    share of their steps the per-step gate let them guess, and how many tokens it let them
+    guess in those steps."""
+    rows, share, cap = (p.get(k) for k in ("guessing_joined_rows", "guessing_steps_share",
+                                           "guessing_cap"))  # fmt: skip
     if rows is None:
         return "-"
-    return f"{rows:.1f} rows, {share:.0%}" if share is not None else f"{rows:.1f} rows"
+    out = f"{rows:.1f} rows" + (f", {share:.0%}" if share is not None else "")
+    return out + (f", up to {cap:.1f}" if cap is not None else "")
 
 
 def markdown(results: dict) -> str:
@@ -246,7 +249,7 @@ def markdown(results: dict) -> str:
            + (f"at {results['url']} (already running)" if results.get("url") else
               f"ready after {results['phoenix']['ready_s']:.0f} s") + ".\n"]  # fmt: skip
     head = ["engine", "mode", "clients", "tok/s", "p50 s", "p95 s", "TTFT p50 s", "acceptance",
-            "arms", "speculated because", "guessing rows: joined at, steps guessed"]  # fmt: skip
+            "arms", "speculated because", "guessing rows: joined at, steps guessed, tokens a step"]  # fmt: skip
     rows = []
     engines = [("phoenix", results["phoenix"]["modes"])]
     if "vllm" in results:

@@ -299,9 +299,10 @@ def bench_prior(cfg: Config, ws: Workspace, served: ServedDraft | None) -> tuple
             continue
         prop, acc = r.get("proposed_per_position") or [], r.get("accepted_per_position") or []
         rounds = r.get("guess_rounds", r.get("rounds")) or 0
+        elig = r.get("eligible_per_position") or [rounds] * len(prop)
         key = f"{s}@{bucket}" if bucket else s
         elig_p_a = sums.setdefault(key, [[], [], []])
-        for part, values in enumerate(([rounds] * len(prop), prop, acc)):
+        for part, values in enumerate((elig, prop, acc)):
             row = elig_p_a[part]
             row.extend([0.0] * (len(values) - len(row)))
             for i, x in enumerate(values):

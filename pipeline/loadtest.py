@@ -273,6 +273,8 @@ def summarise(rounds: list[dict]) -> dict[str, Any]:
     guessing = [r for r in ok if r.get("why") and r.get("arm") not in (None, "0")]
     why = Counter(r["why"] for r in guessing)
     stepped = sum(r.get("rounds") or 0 for r in guessing)
+    guessed = sum(r.get("guess_rounds") or 0 for r in guessing)
+    capped = [r for r in guessing if r.get("eligible_per_position") is not None]
     lat = [r["latency_s"] for r in ok]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     return {
@@ -300,8 +302,13 @@ def summarise(rounds: list[dict]) -> dict[str, Any]:
         "guessing_joined_rows": (
             sum(r.get("rows") or 0 for r in guessing) / len(guessing) if guessing else None
         ),
-        "guessing_steps_share": (
-            sum(r.get("guess_rounds") or 0 for r in guessing) / stepped if stepped else None
+        "guessing_steps_share": guessed / stepped if stepped else None,
+        # ... and how many tokens the gate let them guess in the steps they guessed in.
+        "guessing_cap": (
+            sum(sum(r["eligible_per_position"]) for r in capped)
+            / max(1, sum(r.get("guess_rounds") or 0 for r in capped))
+            if capped
+            else None
         ),
         **acceptance_between(None, total),
     }
@@ -309,10 +316,12 @@ def summarise(rounds: list[dict]) -> dict[str, Any]:
 
 def phoenix_fields(ph: dict | None) -> dict[str, Any]:
     """What the load test keeps of a response's `phoenix` block: the arm, why the bandit chose
-    it, the rows it joined, its steps and the steps it guessed."""
+    it, the rows it joined, its steps, the steps it guessed and the positions it could guess
+    at in them."""
     ph = ph or {}
     return {"arm": ph.get("arm"), "why": why_of(ph), "rows": ph.get("rows"),
-            "rounds": ph.get("rounds"), "guess_rounds": ph.get("guess_rounds")}  # fmt: skip
+            "rounds": ph.get("rounds"), "guess_rounds": ph.get("guess_rounds"),
+            "eligible_per_position": ph.get("eligible_per_position")}  # fmt: skip
 
 
 def why_of(ph: dict | None) -> str | None:

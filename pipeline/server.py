@@ -866,7 +866,7 @@ PHOENIX_FIELDS = (
     "mode", "arm", "proposed", "accepted", "rounds", "acceptance", "tokens_per_second",
     "latency_s", "draft_s", "verify_s", "accepted_per_position", "proposed_per_position",
     "explored", "warmup", "probe", "fallback", "deferred", "guard_event", "epsilon", "goodput",
-    "batch_rows", "queued_s", "rows", "guess_rounds",
+    "batch_rows", "queued_s", "rows", "guess_rounds", "eligible_per_position",
 )  # fmt: skip
 
 

@@ -461,39 +461,66 @@ def test_goodput_prices_a_row_by_what_it_adds_to_the_batch():
     assert b.predict("ngram:4", loaded) < b.predict("0", loaded)
 
 
-def test_the_step_gate_lets_a_bandit_row_guess_where_it_pays_at_this_batch():
-    """`GoodputBandit.pays` and `Policy.may_guess` (the scheduler's per-step gate): alone a
-    row guesses; beside 15 plain rows its guesses cost more than they give the batch; beside
-    one, on a pass flat for a few tokens, they pay. Fixed arms and plain rows always may;
-    other policies gate nothing."""
+def test_the_step_gate_caps_the_bandit_rows_guesses_at_what_pays_at_this_batch():
+    """`GoodputBandit.step_caps` and `Policy.may_guess` (the scheduler's per-step gate): alone
+    a row guesses its k; beside one plain row, on a pass flat for a few tokens, all 4 pay;
+    beside 15 plain rows its guesses cost more than they give the batch; 4 such rows on a pass
+    flat to 8 tokens guess 1 each (the first guesses ride the flat pass, the later ones would
+    not); a fixed arm keeps its k, and an adaptive row whose strategy has no acceptance yet
+    sits out. Other policies cap nothing."""
     from pipeline.serving.policy import Policy
     from pipeline.speculative.arms import parse_arm
-    from pipeline.speculative.bandit import Context
+    from pipeline.speculative.bandit import StepRow
     from pipeline.speculative.batch import Row
 
-    b = goodput_bandit(arms=("0", "ngram:4"))
-    for _ in range(2):
+    b = goodput_bandit(arms=("0", "ngram:4", "draft:2"))
+    for _ in range(3):
         b.choose()
     teach(b, "ngram:4", 10, [10, 10, 10, 10], [6, 4, 2, 1])  # tokens 2.3, fed 5
     step = ((1.0, 0.09), (6.0, 0.10), (16.0, 0.25), (32.0, 0.50))
-    assert b.pays("ngram:4", Context(rows=1, step_cost=step))
-    assert b.pays("ngram:4", Context(rows=2, step_cost=step, others_fed=1, others_tokens=1))
-    assert not b.pays("ngram:4", Context(rows=16, step_cost=step))
-    assert b.pays("ngram:4", Context(rows=16))  # no figures yet: the choice stands
+    guess, plain = StepRow("ngram:4", 4, True), StepRow("0", 0, True)
+    assert b.step_caps([guess], step) == [4]
+    assert b.step_caps([guess, plain], step) == [4, 0]
+    assert b.step_caps([guess, *[plain] * 15], step) == [0] * 16
+    assert b.step_caps([guess, *[plain] * 15], None) == [4] + [0] * 15  # no figures yet
+    flat8 = ((1.0, 0.09), (8.0, 0.10), (16.0, 0.25), (32.0, 0.50))
+    fixed, unknown = StepRow("ngram:4", 4, False, 5.0, 2.3), StepRow("draft:2", 2, True)
+    assert b.step_caps([guess] * 4, flat8) == [1] * 4
+    flat16 = ((1.0, 0.09), (16.0, 0.10), (32.0, 0.50))
+    assert b.step_caps([guess, fixed, unknown], flat16) == [4, 4, 0]
+    assert b.step_caps([StepRow("ngram:4", 0, True), plain], step) == [0, 0]  # no budget left
 
     def row(arm: str, adaptive: bool, rounds=4, proposed=0, accepted=0) -> Row:
-        return Row(key=None, prompt=[1], max_tokens=8, arm=parse_arm(arm), epoch=0, start=0.0,
-                   tslot=0, adaptive=adaptive, rounds=rounds, proposed=proposed,
-                   accepted=accepted)  # fmt: skip
+        r = Row(key=None, prompt=[1], max_tokens=8, arm=parse_arm(arm), epoch=0, start=0.0,
+                tslot=0, adaptive=adaptive, rounds=rounds, proposed=proposed,
+                accepted=accepted)  # fmt: skip
+        r.k_eff = r.arm.k
+        return r
 
     policy = Policy(b)
-    pair = [row("ngram:4", True), row("0", True)]
-    assert policy.may_guess(pair, step, None) == [True, True]
+    assert policy.may_guess([row("ngram:4", True), row("0", True)], step, None) == [4, 0]
     full = [row("ngram:4", True), row("ngram:4", False), *[row("0", True) for _ in range(14)]]
-    assert policy.may_guess(full, step, None) == [False, *[True] * 15]
-    assert policy.may_guess(full[:1], step, None) == [True]  # alone
+    assert policy.may_guess(full, step, None) == [0, 4, *[0] * 14]
+    assert policy.may_guess(full[:1], step, None) == [4]  # alone
     plausible = Policy(EpsilonGreedy(["0", "ngram:4"], random.Random(0)))
-    assert plausible.may_guess(full, step, None) == [True] * 16
+    assert plausible.may_guess(full, step, None) == [4, 4, *[0] * 14]
+
+
+def test_the_step_gate_judges_the_rows_guessing_together():
+    """Two EAGLE-3 rows share the head's passes (here a pass costs the same for one row as for
+    two): both guessing pays (1.29x plain), where one guessing beside a plain row pays 4% at
+    most (1 guess), under the 5% margin; a cap judged row by row beside rows that do not guess would never
+    start."""
+    from pipeline.speculative.bandit import StepRow
+
+    b = goodput_bandit(arms=("0", "eagle:2"))
+    for _ in range(2):
+        b.choose()
+    teach(b, "eagle:2", 10, [10, 10], [5, 3])  # tokens 1.8, fed 3
+    step, head = ((1.0, 0.1), (6.0, 0.1), (16.0, 0.2)), ((1.0, 0.02), (2.0, 0.02))
+    eagle = StepRow("eagle:2", 2, True)
+    assert b.step_caps([eagle, eagle], step, None, head) == [2, 2]
+    assert b.step_caps([eagle, StepRow("0", 0, True)], step, None, head) == [0, 0]
 
 
 def test_goodput_explores_only_near_the_best_prediction():
@@ -568,7 +595,7 @@ def test_goodput_the_margin_a_guess_must_beat_grows_with_the_rows(per_row):
     """A guess predicted 10% above plain: at 2 rows it passes the 5% margin, at 4 rows the
     margin is 15% (5% more a row past two) and the row is held back, and no speculative arm is
     chosen there; control: with no growth (`margin_per_row` 0) it guesses at 4 rows too."""
-    from pipeline.speculative.bandit import Context
+    from pipeline.speculative.bandit import Context, StepRow
 
     b = goodput_bandit(arms=("0", "ngram:2"), speculate_margin=0.05, margin_per_row=per_row)
     for _ in range(2):
@@ -586,12 +613,17 @@ def test_goodput_the_margin_a_guess_must_beat_grows_with_the_rows(per_row):
                 return ctx
         raise AssertionError("no acceptance reaches that gain")
 
+    def guesses(rows: int) -> bool:
+        """Whether the gate lets one ngram:2 row guess beside `rows` - 1 plain rows."""
+        view = [StepRow("ngram:2", 2, True), *[StepRow("0", 0, False)] * (rows - 1)]
+        return b.step_caps(view, curve)[0] > 0
+
     assert b.margin(2) == pytest.approx(0.05) and b.margin(1) == pytest.approx(0.05)
-    assert b.pays("ngram:2", at(2))
+    assert guesses(2) if at(2) else False
     assert b.choose(at(2)).arm == "ngram:2"
     four = at(4)
     assert b.margin(4) == pytest.approx(0.05 + 2 * per_row)
-    assert b.pays("ngram:2", four) is (per_row == 0)
+    assert guesses(4) is (per_row == 0)
     assert b.choose(four).arm == ("ngram:2" if per_row == 0 else "0")
 
 

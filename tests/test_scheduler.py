@@ -282,7 +282,7 @@ def test_a_proposer_curve_prices_a_guess_without_catching_up_on_a_held_back_stre
     seen = []
     observe = curve.observe
     curve.observe = lambda n, s, rows=None: (seen.append(batch.steps), observe(n, s))
-    hold = lambda rows: [False] * len(rows)  # noqa: E731 - the gate holds every row back
+    hold = lambda rows: [0] * len(rows)  # noqa: E731 - the gate holds every row back
     plan = [None, None, None, hold, hold, hold, hold, None, None]  # 3-6 sit out, 7 catches up
     charged = []
     for gate in plan:
@@ -341,21 +341,23 @@ def test_the_step_curve_times_the_whole_step_less_draft_passes_and_callbacks(eng
     assert per_step(fresh) == (5.0, 1.0)  # not stepped yet: k guesses, one token
 
 
-def test_the_gate_holds_back_adaptive_rows_only_and_outputs_stay_exact(engine):
-    """A gate that says no to every row: the bandit's (adaptive) rows run as plain rows and
-    count no guessing rounds; a fixed arm's row guesses as before; every output is still its
-    target-only output. The scheduler hands its gate to every step and marks a job's row
-    adaptive as the job says."""
+@pytest.mark.parametrize("cap", [0, 1])
+def test_the_gate_caps_adaptive_rows_only_and_outputs_stay_exact(engine, cap):
+    """A gate that caps every row at `cap` guesses: the bandit's (adaptive) rows guess at most
+    that many a step (0: they run as plain rows and count no guessing rounds), and count a
+    position as one they could guess at only below the cap; a fixed arm's row guesses its k as
+    before; every output is still its target-only output. The scheduler hands its gate to
+    every step and marks a job's row adaptive as the job says."""
     tok, eng = engine
     ids = user_prompt_ids(tok, PROMPTS[3])
     want = reference(eng, ids, 12).token_ids
     asked = []
 
-    def never(rows):
+    def capped(rows):
         asked.append(len(rows))
-        return [False] * len(rows)
+        return [cap] * len(rows)
 
-    loop = Scheduler(RowBatch(eng, 4), gate=never)
+    loop = Scheduler(RowBatch(eng, 4), gate=capped)
     try:
         jobs = {}
         done = threading.Semaphore(0)
@@ -375,8 +377,17 @@ def test_the_gate_holds_back_adaptive_rows_only_and_outputs_stay_exact(engine):
     assert all(r.token_ids == want for r in res.values())
     assert asked and max(asked) >= 2
     for name in ("bandit-ngram", "bandit-draft"):
-        assert res[name].proposed == 0 and res[name].guess_rounds == 0
-    assert res["fixed-ngram"].proposed > 0 and res["fixed-ngram"].guess_rounds > 0
+        r = res[name]
+        assert sum(r.proposed_per_position[cap:]) == 0 and sum(r.eligible_per_position[cap:]) == 0
+        if cap == 0:
+            assert r.proposed == 0 and r.guess_rounds == 0
+        else:  # it guessed in every step but the last (its budget's last token)
+            assert r.eligible_per_position[0] == r.guess_rounds >= r.rounds - 1
+    assert res["bandit-draft"].proposed == res["bandit-draft"].guess_rounds * cap
+    fixed = res["fixed-ngram"]
+    assert fixed.proposed > 0 and fixed.guess_rounds > 0
+    assert fixed.eligible_per_position[0] == fixed.guess_rounds
+    assert fixed.eligible_per_position[3] > 0  # its first step could guess 4
 
 
 def test_a_qwen3_pair_runs_the_loop_exactly(model_cache):

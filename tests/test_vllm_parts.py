@@ -123,6 +123,9 @@ def test_rounds_of_a_point_pool_their_requests_clocks_and_counters():
     p = loadtest.summarise([one, two])
     assert p["guessing_joined_rows"] == (4 + 2 + 2) / 3
     assert p["guessing_steps_share"] == (0 + 5 + 5) / 30
+    assert p["guessing_cap"] is None  # no positions reported
+    two["results"][1]["eligible_per_position"] = [5, 3]  # capped at 1 in 2 of its 5 steps
+    assert loadtest.summarise([one, two])["guessing_cap"] == 8 / 5
     one["after"] = None  # a server without counters
     assert loadtest.summarise([one, two])["acceptance"] is None
 

@@ -144,11 +144,11 @@ class ServingCore:
             alone_cost=batch.cost.curve(1) if batch.cost.seen else None,
         )
 
-    def _gate(self, rows: list) -> list[bool]:
-        """The scheduler's per-step gate: which of the bandit's rows may guess at this batch."""
+    def _gate(self, rows: list) -> list[int]:
+        """The scheduler's per-step gate: how many tokens each row may guess at this batch."""
         batch = self.scheduler.batch
         if not batch.cost.seen:
-            return [True] * len(rows)
+            return [r.k_eff for r in rows]
         draft = batch.draft_cost.curve() if batch.draft_cost.seen else None
         head = batch.head_cost.curve() if batch.head_cost.seen else None
         return self.policy.may_guess(rows, batch.cost.curve(len(rows)), draft, head)

@@ -37,8 +37,7 @@ from ..speculative.bandit import (
     DriftGuard,
     EpsilonGreedy,
     GoodputBandit,
-    drafting_seconds,
-    head_rows,
+    StepRow,
     load_bandit,
     per_step,
     save_bandit,
@@ -126,35 +125,19 @@ class Policy:
     def may_guess(
         self, rows: list, step_cost: tuple, draft_cost: tuple | None,
         head_cost: tuple | None = None,
-    ) -> list[bool]:  # fmt: skip
-        """Per row of a step (`batch.Row`s): whether it may guess this step. The goodput policy
-        judges each adaptive row's arm at this batch (`GoodputBandit.pays`: the other rows' own
-        figures, the loop's curves); other policies, and fixed arms, always may."""
+    ) -> list[int]:  # fmt: skip
+        """Per row of a step (`batch.Row`s, their `k_eff` set): the most tokens it may guess
+        this step. The goodput policy caps the adaptive rows together at this batch
+        (`GoodputBandit.step_caps`: the rows' own figures, the loop's curves); other policies,
+        and fixed arms, guess their k."""
         if not isinstance(self.bandit, GoodputBandit) or len(rows) <= 1:
-            return [True] * len(rows)
-        fed, tokens = per_step(rows)
-        drafting = sum(r.dslot is not None for r in rows)
-        out = []
+            return [r.k_eff for r in rows]
+        view = []
         for r in rows:
-            if not r.adaptive or r.arm.k == 0:
-                out.append(True)
-                continue
-            f, t = per_step([r])
-            others = [o for o in rows if o is not r]
-            context = Context(
-                rows=len(rows),
-                step_cost=step_cost,
-                draft_cost=draft_cost,
-                draft_rows=drafting - (r.dslot is not None),
-                head_cost=head_cost,
-                head_rows=head_rows(others),
-                temperature=r.sampling.temperature,
-                others_fed=fed - f,
-                others_tokens=tokens - t,
-                others_drafting=drafting_seconds(others, draft_cost, head_cost),
-            )
-            out.append(self.bandit.pays(str(r.arm), context))
-        return out
+            fed, tokens = per_step([r])
+            view.append(StepRow(str(r.arm), r.k_eff, r.adaptive, fed, tokens,
+                                r.sampling.temperature))  # fmt: skip
+        return self.bandit.step_caps(view, step_cost, draft_cost, head_cost)
 
     def reward(
         self, decision: Decision, result, context: Context, step_cost: tuple | None = None,
@@ -171,7 +154,9 @@ class Policy:
         reward = result.goodput
         weight = max(res.cost_s or res.latency_s, 1e-6)  # an arm's mean: its tokens over its time
         rounds = res.rounds if res.guess_rounds is None else res.guess_rounds
-        positions = (rounds, res.proposed_per_position, res.accepted_per_position)
+        elig = res.eligible_per_position
+        positions = (rounds if elig is None else elig, res.proposed_per_position,
+                     res.accepted_per_position)  # fmt: skip
         if isinstance(self.bandit, GoodputBandit):
             self.bandit.update(
                 decision.arm, reward, context, res.acceptance, weight, positions=positions

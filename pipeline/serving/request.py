@@ -127,6 +127,7 @@ class CoreResult:
             "rounds": r.rounds,
             "guess_rounds": r.rounds if r.guess_rounds is None else r.guess_rounds,
             "acceptance": r.acceptance,
+            "eligible_per_position": r.eligible_per_position,
             "proposed_per_position": r.proposed_per_position,
             "accepted_per_position": r.accepted_per_position,
             "latency_s": r.latency_s,

@@ -50,7 +50,7 @@ class Job:
     error: BaseException | None = None
     epoch: int = -1
     sampling: Sampling = GREEDY
-    adaptive: bool = False  # the bandit chose its arm: the scheduler's gate may hold it back
+    adaptive: bool = False  # the bandit chose its arm: the scheduler's gate may cap its guesses
 
 
 def background(fn: Callable[[], object], name: str) -> threading.Thread:
@@ -66,9 +66,9 @@ class Scheduler:
         self,
         batch: RowBatch,
         name: str = "phoenix-steps",
-        gate: Callable[[list[Row]], list[bool]] | None = None,
+        gate: Callable[[list[Row]], list[int]] | None = None,
     ):
-        """`gate(rows)`: per row, whether it may guess this step (`RowBatch.step`); called
+        """`gate(rows)`: per row, the most tokens it may guess this step (`RowBatch.step`); called
         from this thread once per step."""
         self.batch = batch
         self.gate = gate

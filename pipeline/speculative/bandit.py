@@ -176,6 +176,18 @@ def added_passes(curve, rows: float, passes: float) -> float:
 
 
 @dataclass(frozen=True)
+class StepRow:
+    """What the per-step gate (`GoodputBandit.step_caps`) sees of one row of a step."""
+
+    arm: str
+    k: int  # the most it could guess this step (its arm's k, less what its budget leaves)
+    adaptive: bool  # the bandit's row: the gate caps its guesses; else the caller's arm
+    fed: float = 1.0  # its mean tokens fed a step so far (a fixed row is priced at these)
+    tokens: float = 1.0  # ... and committed
+    temperature: float = 0.0
+
+
+@dataclass(frozen=True)
 class Decision:
     arm: Hashable
     explored: bool
@@ -498,17 +510,17 @@ class GoodputBandit(EpsilonGreedy):
     the bandit read 1.05x target-only where eagle:2 for every request read 1.23x (AMD EPYC).
 
     Where plain wins beside other rows but a speculative arm would win alone, the request
-    still gets that arm's strategy, at the K predicted best at this load (`Decision.deferred`;
-    eagle:2 at 2 rows where eagle:4 wins alone), and the step loop's gate
-    (`pays`) lets it guess in the steps where that pays: the steps where the batch has thinned
-    towards the request alone. (The speculative arm best at the crowded load instead gave
-    prompt lookup to 33 of 48 requests at 4 clients, guessing in 16% of steps at acceptance
-    0.18: 0.94x and 0.99x target-only in two runs, against 1.00x and 1.04x with the strategy
-    that wins alone; AMD EPYC.) A plain arm is for the request's whole
-    life, so a choice of plain beside a plain row made the next request's choice beside it plain
-    too: at 2 clients a guess beside a plain row gained 3% and two guessing rows 1.12-1.20x
-    (AMD EPYC, eagle:2), and two plain rows stayed plain until one was explored. Deferred, the
-    gate judges each row with the others guessing, which is the pair's choice.
+    still gets that arm (`Decision.deferred`), and the step loop's gate (`step_caps`) caps its
+    guesses each step at what pays at that batch: none, or fewer than its k, at a full batch;
+    all of them once the batch has thinned towards the request alone. (The speculative arm
+    best at the crowded load instead gave prompt lookup to 33 of 48 requests at 4 clients,
+    guessing in 16% of steps at acceptance 0.18: 0.94x and 0.99x target-only in two runs,
+    against 1.00x and 1.04x with the strategy that wins alone; AMD EPYC.) A plain arm is for
+    the request's whole life, so a choice of plain beside a plain row made the next request's
+    choice beside it plain too: at 2 clients a guess beside a plain row gained 3% and two
+    guessing rows 1.12-1.20x (AMD EPYC, eagle:2), and two plain rows stayed plain until one was
+    explored. Deferred, the gate judges the rows guessing together, which is the batch's
+    choice.
 
     This is the batch's goodput with this row in it: a row's guesses are charged at their
     marginal cost, the time they add to every row's step. One client (R_o = F_o = 0): a pass of a few tokens
@@ -640,9 +652,8 @@ class GoodputBandit(EpsilonGreedy):
             deferred = False
             spec = {a: v for a, v in values.items() if v is not None and strategy_of(a)}
             if context.rows > 1 and not explored and not strategy_of(arm) and spec:
-                if (alone := self._alone(context)) is not None:  # its strategy, gated per step
-                    same = {a: v for a, v in spec.items() if strategy_of(a) == strategy_of(alone)}
-                    arm, deferred = max(same, key=lambda a: (same[a], -self.arms.index(a))), True
+                if (alone := self._alone(context)) is not None:  # capped per step
+                    arm, deferred = alone, True
             self.t += 1
             return replace(self._decision(arm, explored, False, eps, context, values),
                            deferred=deferred)  # fmt: skip
@@ -658,19 +669,83 @@ class GoodputBandit(EpsilonGreedy):
         best = max(values, key=lambda a: (values[a], -self.arms.index(a)))
         return best if strategy_of(best) else None
 
-    def pays(self, arm, context: Context) -> bool:
-        """Whether a row running `arm` should guess in a step of the batch in `context` (the
-        step loop asks each step, as SmartSpec and vLLM's dynamic speculation choose the draft
-        length by the batch): alone, or without the loop's figures, yes (the arm was chosen for
-        it); beside other rows, when its predicted goodput beats plain's by `margin(rows)`.
-        A request chosen when it arrived alone keeps its arm, but stops guessing once the batch
-        has filled around it, and guesses again when it empties."""
-        if context.rows <= 1 or context.step_cost is None:
-            return True
-        plain = next((a for a in self.arms if not strategy_of(a)), "0")
+    def guesses(self, arm, temperature: float = 0.0) -> list[tuple[float, float]] | None:
+        """What a row of `arm` guesses and commits a step if it may guess at most j tokens,
+        for j = 0..k: [(guesses fed, tokens committed), ...] from its strategy's acceptance
+        at this temperature (until measured there, the greedy figures). None: plain, or a
+        position never measured."""
+        s, k = strategy_of(arm), int(str(arm).partition(":")[2] or 0)
+        if not s or k == 0:
+            return None
+        ctx = Context(temperature=temperature)
+        st = self.positions.get(self._key(s, ctx)) or self.positions.get(s)
+        top = self.top
+        k = min(k, top)
+        if st is None or any(st[i] <= 0 for i in range(k)):
+            return None
+        out, fed, tokens = [(0.0, 1.0)], 0.0, 1.0
+        for i in range(k):
+            fed += st[top + i] / st[i]
+            tokens += st[2 * top + i] / st[i]
+            out.append((fed, tokens))
+        return out
+
+    def step_caps(self, rows: list[StepRow], step_cost, draft_cost=None, head_cost=None):
+        """The most tokens each row of a step may guess (the step loop asks every step, as
+        SmartSpec and vLLM's dynamic speculation choose the draft length by the batch). Alone,
+        or without the loop's figures: each row its arm's k (the arm was chosen for it).
+        Beside other rows, one cap c for the adaptive rows (the bandit's) together, the c in
+        0..k with the best predicted goodput of the whole step,
+
+            goodput(c) = sum_r tokens_r(c) / (S(sum_r (1 + guesses_r(c))) + H + D)
+
+        with S the step curve at the mean feed, H and D the head's and the draft model's shared
+        passes (`shared_passes`) over the rows' guesses; an adaptive row at cap c guesses and
+        commits what its strategy's acceptance predicts for min(k, c) guesses (`guesses`), a
+        fixed row what it has so far. c > 0 must beat c = 0 by `margin(rows)`: a wrong guess
+        costs every row.
+
+        Together, because the rows share the passes: an EAGLE-3 row's head pass costs about
+        the same for one row as for four, so judged one row at a time beside rows that do not
+        guess, none paid for the first pass, and the rows sat out steps where all guessing
+        paid 1.06-1.13x (4 clients, Intel Xeon). One cap, because more guesses a row cost every
+        row at a full batch: judged all-or-nothing at each row's own k, eagle:4 rows guessed 4
+        where 2 paid, and the batch read 0.97x target-only. Adaptive rows whose strategy has no
+        measured acceptance sit out (they learn alone)."""
+        full = [r.k for r in rows]
+        if len(rows) <= 1 or step_cost is None:
+            return full
         with self._lock:
-            v, p = self.predict(arm, context), self.predict(plain, context)
-        return v is not None and p is not None and v >= (1 + self.margin(context.rows)) * p
+            plans = {i: self.guesses(r.arm, r.temperature) for i, r in enumerate(rows)
+                     if r.adaptive and r.k > 0}  # fmt: skip
+        top = max((min(rows[i].k, len(p) - 1) for i, p in plans.items() if p), default=0)
+        if top == 0:
+            return [0 if i in plans else k for i, k in enumerate(full)]
+
+        def goodput(cap: int) -> float:
+            fed = tokens = 0.0
+            passes: dict[str, list[float]] = {"draft": [], "eagle": []}
+            for i, r in enumerate(rows):
+                if i in plans:
+                    p = plans[i]
+                    g, t = p[min(cap, r.k, len(p) - 1)] if p else (0.0, 1.0)
+                else:
+                    g, t = r.fed - 1, r.tokens
+                fed += 1 + g
+                tokens += t
+                passes.setdefault(strategy_of(r.arm), []).append(g)
+            cost = step_seconds(step_cost, fed)
+            if head_cost:
+                cost += shared_passes(head_cost, passes["eagle"])
+            if draft_cost:
+                cost += shared_passes(draft_cost, passes["draft"])
+            return tokens / max(cost, 1e-9)
+
+        values = [goodput(c) for c in range(top + 1)]
+        cap = max(range(top + 1), key=lambda c: (values[c], -c))
+        if values[cap] < (1 + self.margin(len(rows))) * values[0]:
+            cap = 0
+        return [min(k, cap if plans[i] else 0) if i in plans else k for i, k in enumerate(full)]
 
     def margin(self, rows: int) -> float:
         """How far a guess must be predicted to beat plain beside other rows: `speculate_margin`
@@ -697,24 +772,29 @@ class GoodputBandit(EpsilonGreedy):
         return Decision(arm, explored, warmup, eps, shown, dict(self.counts))
 
     def update(self, arm, reward, context=None, acceptance=None, weight=1.0, positions=None):
-        """As the plausible policy's, plus `positions`: (rounds, proposed per position,
-        accepted per position) of the request, which teach its strategy's acceptance."""
+        """As the plausible policy's, plus `positions`: (rounds that could guess at each
+        position, proposed at each, accepted at each) of the request, which teach its
+        strategy's acceptance. (A number for the first: every position, as many rounds; a
+        step loop row capped below its k by the gate could not guess past the cap, and counted
+        there as a round that did not, it taught its strategy a shorter reach than it has.)"""
         super().update(arm, reward, context, acceptance, weight)
         s = strategy_of(arm)
         if not s or positions is None:
             return
-        rounds, prop, acc = positions
+        elig, prop, acc = positions
         k = min(len(prop), self.top)
-        if rounds <= 0 or k == 0:
+        if isinstance(elig, (int, float)):
+            elig = [elig] * k
+        if k == 0 or not elig or elig[0] <= 0:
             return
         with self._lock:
             st = self._stats(self._key(s, context))
-            keep = self.decay**rounds
+            keep = self.decay ** elig[0]
             for i in range(len(st)):
                 st[i] *= keep
             top = self.top
-            for i in range(k):  # its rounds could guess at positions 0..k-1
-                st[i] += rounds
+            for i in range(k):
+                st[i] += elig[i]
                 st[top + i] += prop[i]
                 st[2 * top + i] += acc[i]
 

@@ -189,6 +189,7 @@ class Row:
     rounds: int = 0
     guess_rounds: int = 0  # steps it was let guess (k_eff > 0)
     adaptive: bool = False  # its guesses are gated per step by the batch (`step`'s gate)
+    eligible_pos: list[int] = field(default_factory=list)  # steps it could guess at each position
     proposed_pos: list[int] = field(default_factory=list)
     accepted_pos: list[int] = field(default_factory=list)
     draft_s: float = 0.0
@@ -209,6 +210,7 @@ class Row:
             proposed=self.proposed,
             accepted=self.accepted,
             rounds=self.rounds,
+            eligible_per_position=self.eligible_pos,
             proposed_per_position=self.proposed_pos,
             accepted_per_position=self.accepted_pos,
             guess_rounds=self.guess_rounds,
@@ -332,6 +334,7 @@ class RowBatch:
                     gen=sampling.generator(),
                     logprobs=[] if sampling.logprobs is not None else None,
                     seq=list(prompt),
+                    eligible_pos=[0] * arm.k,
                     proposed_pos=[0] * arm.k,
                     accepted_pos=[0] * arm.k,
                 )
@@ -401,12 +404,13 @@ class RowBatch:
     def step(
         self,
         on_tokens: Callable[[Row], bool] | None = None,
-        gate: Callable[[list[Row]], list[bool]] | None = None,
+        gate: Callable[[list[Row]], list[int]] | None = None,
     ) -> list[tuple[Row, str]]:
         """One step over every row. `on_tokens(row)` runs for each row that committed tokens;
         True ends it (a stop string, a caller gone). `gate(rows)`, if given, says per row
-        whether it may guess this step; it binds the `adaptive` rows only (a bandit's choice,
-        where a fixed arm is the caller's): a row held back runs this step as a plain row.
+        the most tokens it may guess this step (its `k_eff` set: what its arm and budget
+        allow); it binds the `adaptive` rows only (a bandit's choice, where a fixed arm is the
+        caller's): a row capped at 0 runs this step as a plain row.
         Returns `(row, finish_reason)` for the rows that finished ("stop": end-of-turn or
         `on_tokens`; "length": budget or context), which have left the batch. After an exception the caller fails every row (`reset`)."""
         t0 = time.perf_counter()
@@ -415,11 +419,13 @@ class RowBatch:
             k = min(r.arm.k, r.max_tokens - len(r.out) - 1, self.limit - len(r.seq) - 1)
             r.k_eff, r.drafts, r.q = max(0, k), [], []
         if gate is not None and any(r.adaptive and r.k_eff > 0 for r in rows):
-            for r, ok in zip(rows, gate(rows), strict=True):
-                if r.adaptive and not ok:
-                    r.k_eff = 0
+            for r, cap in zip(rows, gate(rows), strict=True):
+                if r.adaptive:
+                    r.k_eff = max(0, min(r.k_eff, int(cap)))
         for r in rows:
             r.guess_rounds += r.k_eff > 0
+            for i in range(r.k_eff):
+                r.eligible_pos[i] += 1
         # 1. proposals
         for r in rows:
             if r.ngram is not None and r.k_eff > 0:
