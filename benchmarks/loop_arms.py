@@ -6,7 +6,8 @@
 Prints per arm and row count: steps, wall seconds, tokens/s, mean step, and the loop's measured
 step-cost curve ((tokens fed, ms) per size bucket) that the goodput policy predicts with.
 `--kept 4 --arms eagle:2`: 4 rows kept full over 16 prompts (one joins as one leaves), all plain,
-all eagle:2 held back by the gate, all eagle:2 guessing; tokens/s and the head's ms a step
+all eagle:2 held back by the gate, all eagle:2 guessing, all eagle:2 capped per step by the
+goodput policy's gate (with its predictions); tokens/s and the head's ms a step
 (`--temperature 0.7`: sampled).
 `--mixed`: instead, 16 rows: all plain, against 10 plain + 6 bandit (adaptive) ngram:4 rows that
 the per-step gate holds back, and the same 6 guessing; twice, alternated. Needs a workspace with
@@ -49,20 +50,43 @@ def mixed(pair, prompts) -> None:
             print(f"{name}: {run(arms, gate):.1f} tok/s", flush=True)
 
 
-def kept(pair, prompts, arm: str, width: int = 4, n: int = 16, temperature: float = 0.0) -> None:
+def kept(pair, cfg, prompts, arm: str, width: int = 4, n: int = 16,
+         temperature: float = 0.0) -> None:  # fmt: skip
     """`width` rows kept full over `n` prompts (a new one joins as one leaves, as a loaded
-    server's batch): all plain, all `arm` held back by the gate, all `arm` guessing; twice,
-    the order reversed; sampled at `temperature` (seeded per prompt), else greedy. Per run:
-    tokens/s and the proposals' (head or draft passes) mean milliseconds a step."""
+    server's batch): all plain, all `arm` held back by the gate, all `arm` guessing, and all
+    `arm` capped each step by the goodput policy's gate (`GoodputBandit.step_caps`, taught the
+    acceptance the guessing run saw, on the run's own curves, as the server's); twice, the
+    order reversed; sampled at `temperature` (seeded per prompt), else greedy. Per run:
+    tokens/s, the proposals' (head or draft passes) mean milliseconds a step, and for the
+    gated run the mean cap and what the policy predicted, at `width` rows, for each cap
+    against none."""
+    from pipeline.serving.policy import make_policy
+    from pipeline.speculative.bandit import StepRow
     from pipeline.speculative.sampling import Sampling
 
-    def run(a: str, gate) -> tuple[float, float]:
+    policy = make_policy(cfg.bandit, ["0", arm], policy="goodput")
+    caps: list[float] = []
+
+    def gated(b: RowBatch):
+        def gate(rows):
+            if not b.cost.seen:
+                return [r.k_eff for r in rows]
+            draft = b.draft_cost.curve() if b.draft_cost.seen else None
+            head = b.head_cost.curve() if b.head_cost.seen else None
+            out = policy.may_guess(rows, b.cost.curve(len(rows)), draft, head)
+            caps.extend(out)
+            return out
+
+        return gate
+
+    def run(a: str, gate) -> tuple[float, float, RowBatch, list]:
         b = RowBatch(pair.engine, max_rows=16)
         spent: list[float] = []
         for name in ("_eagle", "_draft"):
             inner = getattr(b, name)
             setattr(b, name, lambda rs, inner=inner: spent.append(inner(rs)) or spent[-1])
-        todo, tokens, steps = list(range(n)), 0, 0
+        todo, tokens, steps, done = list(range(n)), 0, 0, []
+        step_gate = gate(b) if gate is gated else gate
         t0 = time.perf_counter()
         while todo or b.rows:
             while todo and len(b.rows) < width:
@@ -70,18 +94,36 @@ def kept(pair, prompts, arm: str, width: int = 4, n: int = 16, temperature: floa
                 how = Sampling(temperature=temperature, seed=i)
                 for r in b.join([(i, prompts[i % len(prompts)], 48, parse_arm(a), how)]):
                     r.adaptive = True
-            tokens += sum(len(r.out) for r, _ in b.step(gate=gate))
+            finished = b.step(gate=step_gate)
+            tokens += sum(len(r.out) for r, _ in finished)
+            done += [r for r, _ in finished]
             steps += 1
-        return tokens / (time.perf_counter() - t0), 1000 * sum(spent) / steps
+        return tokens / (time.perf_counter() - t0), 1000 * sum(spent) / steps, b, done
 
-    held = lambda rows: [False] * len(rows)  # noqa: E731 - the gate says no to every row
-    cases = [("plain", "0", None), (f"{arm} held back", arm, held), (f"{arm} guessing", arm, None)]
+    held = lambda rows: [0] * len(rows)  # noqa: E731 - the gate holds every row back
+    cases = [("plain", "0", None), (f"{arm} held back", arm, held), (f"{arm} guessing", arm, None),
+             (f"{arm} gated", arm, gated)]  # fmt: skip
     run("0", None)  # warm
+    *_, done = run(arm, None)  # the acceptance the gate is taught
+    for r in done:
+        res = r.result("length")
+        policy.bandit.update(arm, 1.0, None, None,
+                             positions=(res.eligible_per_position, res.proposed_per_position,
+                                        res.accepted_per_position))  # fmt: skip
     for rnd in range(2):
         for name, a, gate in cases if rnd == 0 else cases[::-1]:
-            tps, ms = run(a, gate)
-            print(f"{width} rows kept full, {name}: {tps:.1f} tok/s, proposals {ms:.2f} ms a step",
-                  flush=True)  # fmt: skip
+            caps.clear()
+            tps, ms, b, _ = run(a, gate)
+            line = f"{width} rows kept full, {name}: {tps:.1f} tok/s, proposals {ms:.2f} ms a step"
+            if gate is gated:
+                view = [StepRow(arm, parse_arm(arm).k, True, temperature=temperature)] * width
+                draft = b.draft_cost.curve() if b.draft_cost.seen else None
+                head = b.head_cost.curve() if b.head_cost.seen else None
+                values, _ = policy.bandit.step_values(view, b.cost.curve(width), draft, head)
+                line += (f", mean cap {sum(caps) / max(1, len(caps)):.2f}, predicted at {width}"
+                         " rows: " + " ".join(f"cap {c} {v / values[0]:.3f}x"
+                                              for c, v in enumerate(values)))  # fmt: skip
+            print(line, flush=True)
 
 
 def profile(pair) -> None:
@@ -158,7 +200,7 @@ def main() -> None:
         "--kept",
         type=int,
         metavar="ROWS",
-        help="ROWS rows kept full over 16 prompts: plain, the first of --arms held back, guessing",
+        help="ROWS rows kept full over 16 prompts: plain, the first of --arms held back, guessing, gated",
     )
     ap.add_argument("--temperature", type=float, default=0.0, help="--kept: sample at this")
     ap.add_argument("--set", action="append", default=[], help="config key=value")
@@ -191,7 +233,7 @@ def main() -> None:
         profile(pair)
         return
     if args.kept:
-        kept(pair, prompts, args.arms[0], args.kept, temperature=args.temperature)
+        kept(pair, cfg, prompts, args.arms[0], args.kept, temperature=args.temperature)
         return
     for arm in args.arms:
         for rows in (1, 8):

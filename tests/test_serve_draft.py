@@ -318,9 +318,10 @@ def test_a_head_trained_beside_the_draft_is_benched_and_the_faster_kind_served(
 
 
 def test_the_bench_prior_takes_only_requests_of_the_served_weights(tmp_path):
-    """`drafts.bench_prior` sums the bench's per-position counts per strategy, keeping draft
-    rows only of the served draft's weights and eagle rows only of the served head's, for the
-    target the bench ran; a bench of another target, or none, gives no prior."""
+    """`drafts.bench_prior` sums the bench's per-position counts per strategy (the rounds that
+    could guess at a position: `eligible_per_position` where given, else every round), keeping
+    draft rows only of the served draft's weights and eagle rows only of the served head's, for
+    the target the bench ran; a bench of another target, or none, gives no prior."""
     import json
 
     from pipeline.artifacts import weights_id
@@ -338,9 +339,10 @@ def test_the_bench_prior_takes_only_requests_of_the_served_weights(tmp_path):
     served = ServedDraft(str(draft), "merged", head=str(head))
     assert bench_prior(cfg, ws, served) is None  # no bench yet
 
-    def req(arm, label, prop, acc, rounds=10):
+    def req(arm, label, prop, acc, rounds=10, elig=None):
         return {"arm": arm, "draft": label, "guess_rounds": rounds, "rounds": rounds,
-                "proposed_per_position": prop, "accepted_per_position": acc}  # fmt: skip
+                "eligible_per_position": elig, "proposed_per_position": prop,
+                "accepted_per_position": acc}  # fmt: skip
 
     results = {
         "target_model": cfg.models.target,
@@ -354,7 +356,8 @@ def test_the_bench_prior_takes_only_requests_of_the_served_weights(tmp_path):
             req("draft:4", "distilled", [10, 10, 10, 10], [5, 3, 2, 1]),
             req("draft:4", "other", [10, 10, 10, 10], [9, 9, 9, 9]),  # another draft's weights
             req("eagle:2", "distilled", [10, 9], [6, 3]),
-            req("eagle:4", "distilled", [10, 10, 9, 8], [7, 4, 2, 1], rounds=10),
+            # its budget's last rounds could not guess at positions 3 and 4
+            req("eagle:4", "distilled", [10, 10, 9, 8], [7, 4, 2, 1], elig=[10, 10, 9, 9]),
         ],
     }
     ws.bench_results.parent.mkdir(parents=True)
@@ -363,7 +366,7 @@ def test_the_bench_prior_takes_only_requests_of_the_served_weights(tmp_path):
     assert "2026-12-05 10:00 UTC" in where
     assert prior["draft"] == ([10.0] * 4, [10.0] * 4, [5.0, 3.0, 2.0, 1.0])
     assert prior["eagle"] == (
-        [20.0, 20.0, 10.0, 10.0],
+        [20.0, 20.0, 9.0, 9.0],
         [20.0, 19.0, 9.0, 8.0],
         [13.0, 7.0, 2.0, 1.0],
     )

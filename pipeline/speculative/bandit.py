@@ -715,12 +715,20 @@ class GoodputBandit(EpsilonGreedy):
         full = [r.k for r in rows]
         if len(rows) <= 1 or step_cost is None:
             return full
+        values, plans = self.step_values(rows, step_cost, draft_cost, head_cost)
+        cap = max(range(len(values)), key=lambda c: (values[c], -c))
+        if values[cap] < (1 + self.margin(len(rows))) * values[0]:
+            cap = 0
+        return [min(k, cap if plans[i] else 0) if i in plans else k for i, k in enumerate(full)]
+
+    def step_values(self, rows: list[StepRow], step_cost, draft_cost=None, head_cost=None):
+        """The predicted goodput of a step of `rows` with the adaptive rows capped at c, for c
+        in 0..their largest k (`step_caps`), and each adaptive row's `guesses` (None: not
+        known)."""
         with self._lock:
             plans = {i: self.guesses(r.arm, r.temperature) for i, r in enumerate(rows)
                      if r.adaptive and r.k > 0}  # fmt: skip
         top = max((min(rows[i].k, len(p) - 1) for i, p in plans.items() if p), default=0)
-        if top == 0:
-            return [0 if i in plans else k for i, k in enumerate(full)]
 
         def goodput(cap: int) -> float:
             fed = tokens = 0.0
@@ -741,11 +749,7 @@ class GoodputBandit(EpsilonGreedy):
                 cost += shared_passes(draft_cost, passes["draft"])
             return tokens / max(cost, 1e-9)
 
-        values = [goodput(c) for c in range(top + 1)]
-        cap = max(range(top + 1), key=lambda c: (values[c], -c))
-        if values[cap] < (1 + self.margin(len(rows))) * values[0]:
-            cap = 0
-        return [min(k, cap if plans[i] else 0) if i in plans else k for i, k in enumerate(full)]
+        return [goodput(c) for c in range(top + 1)], plans
 
     def margin(self, rows: int) -> float:
         """How far a guess must be predicted to beat plain beside other rows: `speculate_margin`
