@@ -55,7 +55,8 @@ def kept(pair, cfg, prompts, arm: str, width: int = 4, n: int = 16,
     """`width` rows kept full over `n` prompts (a new one joins as one leaves, as a loaded
     server's batch): all plain, all `arm` held back by the gate, all `arm` guessing, and all
     `arm` capped each step by the goodput policy's gate (`GoodputBandit.step_caps`, taught the
-    acceptance the guessing run saw, on the run's own curves, as the server's); twice, the
+    acceptance a first guessing run saw, on the step curves every run adds to, as a server's
+    batch keeps them); twice, the
     order reversed; sampled at `temperature` (seeded per prompt), else greedy. Per run:
     tokens/s, the proposals' (head or draft passes) mean milliseconds a step, and for the
     gated run the mean cap and what the policy predicted, at `width` rows, for each cap
@@ -79,8 +80,11 @@ def kept(pair, cfg, prompts, arm: str, width: int = 4, n: int = 16,
 
         return gate
 
+    shared = RowBatch(pair.engine, max_rows=16)  # one set of cost curves, as a server's
+
     def run(a: str, gate) -> tuple[float, float, RowBatch, list]:
         b = RowBatch(pair.engine, max_rows=16)
+        b.cost, b.draft_cost, b.head_cost = shared.cost, shared.draft_cost, shared.head_cost
         spent: list[float] = []
         for name in ("_eagle", "_draft"):
             inner = getattr(b, name)

@@ -232,9 +232,26 @@ def test_step_cost_per_row_count_prices_a_guess_by_the_load_it_was_measured_at()
     assert cost.curve(8) == every
     cost.observe(2, 0.027, 2)
     at2, every = cost.curve(2), cost.curve()
-    assert at2[0] == pytest.approx((2, 0.027))
+    assert step_seconds(at2, 2) == pytest.approx(0.027)
     step = step_seconds(every, 5) - step_seconds(every, 2)
     assert step_seconds(at2, 5) == pytest.approx(0.027 + step)
+
+
+def test_step_cost_below_what_a_row_count_measured_follows_the_all_rows_curve_down():
+    """4 rows measured only guessing (12 tokens, 146 ms: AMD EPYC, AVX2, float32): their plain
+    4-token step is priced by the all-rows curve's decrement from there (146 - (140 - 84) =
+    90 ms), not held at 146 ms, which made plain look as dear as guessing."""
+    from pipeline.speculative.bandit import step_seconds
+
+    cost = StepCost()
+    for rows, fed, ms in [(2, 4, 84.0), (2, 12, 140.0), (4, 12, 146.0)]:
+        for _ in range(3):
+            cost.observe(fed, ms / 1000, rows)
+    every, at4 = cost.curve(), cost.curve(4)
+    low = step_seconds(every, 12) - step_seconds(every, 4)
+    assert step_seconds(at4, 12) == pytest.approx(0.146)
+    assert step_seconds(at4, 4) == pytest.approx(0.146 - low)
+    assert step_seconds(at4, 4) < 0.146 * 0.7
 
 
 def test_the_step_curve_never_prices_more_tokens_cheaper():
