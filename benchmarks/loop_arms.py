@@ -67,15 +67,18 @@ def kept(pair, cfg, prompts, arm: str, width: int = 4, n: int = 16,
 
     policy = make_policy(cfg.bandit, ["0", arm], policy="goodput")
     caps: list[float] = []
+    gate_s: list[float] = []
 
     def gated(b: RowBatch):
         def gate(rows):
+            t0 = time.perf_counter()
             if not b.cost.seen:
                 return [r.k_eff for r in rows]
             draft = b.draft_cost.curve() if b.draft_cost.seen else None
             head = b.head_cost.curve() if b.head_cost.seen else None
             out = policy.may_guess(rows, b.cost.curve(len(rows)), draft, head)
             caps.extend(out)
+            gate_s.append(time.perf_counter() - t0)
             return out
 
         return gate
@@ -117,6 +120,7 @@ def kept(pair, cfg, prompts, arm: str, width: int = 4, n: int = 16,
     for rnd in range(2):
         for name, a, gate in cases if rnd == 0 else cases[::-1]:
             caps.clear()
+            gate_s.clear()
             tps, ms, b, _ = run(a, gate)
             line = f"{width} rows kept full, {name}: {tps:.1f} tok/s, proposals {ms:.2f} ms a step"
             if gate is gated:
@@ -124,7 +128,8 @@ def kept(pair, cfg, prompts, arm: str, width: int = 4, n: int = 16,
                 draft = b.draft_cost.curve() if b.draft_cost.seen else None
                 head = b.head_cost.curve() if b.head_cost.seen else None
                 values, _ = policy.bandit.step_values(view, b.cost.curve(width), draft, head)
-                line += (f", mean cap {sum(caps) / max(1, len(caps)):.2f}, predicted at {width}"
+                line += (f", mean cap {sum(caps) / max(1, len(caps)):.2f}, the gate "
+                         f"{1000 * sum(gate_s) / max(1, len(gate_s)):.2f} ms a step, predicted at {width}"
                          " rows: " + " ".join(f"cap {c} {v / values[0]:.3f}x"
                                               for c, v in enumerate(values)))  # fmt: skip
             print(line, flush=True)
