@@ -42,7 +42,7 @@ def mixed(pair, prompts) -> None:
         return 16 * 48 / (time.perf_counter() - t0)
 
     six = ["0"] * 10 + ["ngram:4"] * 6
-    held = lambda rows: [False] * len(rows)  # noqa: E731 - the gate says no to every row
+    held = lambda rows: [0] * len(rows)  # noqa: E731 - the gate caps every row at 0
     for _ in range(2):
         for name, arms, gate in (("16 plain", ["0"] * 16, None),
                                  ("10 plain + 6 ngram:4 held back", six, held),

@@ -229,13 +229,13 @@ def plot(results: dict, path: Path) -> None:
 def guessing(p: dict) -> str:
     """The bandit's guessing requests at a point: the mean rows of the batch they joined, the
     share of their steps the per-step gate let them guess, and how many tokens it let them
-    guess in those steps."""
+    guess in those steps (the mean of their caps, each at most what the row's budget left)."""
     rows, share, cap = (p.get(k) for k in ("guessing_joined_rows", "guessing_steps_share",
                                            "guessing_cap"))  # fmt: skip
     if rows is None:
         return "-"
     out = f"{rows:.1f} rows" + (f", {share:.0%}" if share is not None else "")
-    return out + (f", up to {cap:.1f}" if cap is not None else "")
+    return out + (f", {cap:.1f} a step" if cap is not None else "")
 
 
 def markdown(results: dict) -> str:

@@ -470,7 +470,7 @@ def test_the_step_gate_caps_the_bandit_rows_guesses_at_what_pays_at_this_batch()
     sits out. Other policies cap nothing."""
     from pipeline.serving.policy import Policy
     from pipeline.speculative.arms import parse_arm
-    from pipeline.speculative.bandit import StepRow
+    from pipeline.speculative.bandit import StepRow, step_seconds
     from pipeline.speculative.batch import Row
 
     b = goodput_bandit(arms=("0", "ngram:4", "draft:2"))
@@ -488,7 +488,9 @@ def test_the_step_gate_caps_the_bandit_rows_guesses_at_what_pays_at_this_batch()
     assert b.step_caps([guess] * 4, flat8) == [1] * 4
     flat16 = ((1.0, 0.09), (16.0, 0.10), (32.0, 0.50))
     assert b.step_caps([guess, fixed, unknown], flat16) == [4, 4, 0]
-    assert b.step_caps([StepRow("ngram:4", 0, True), plain], step) == [0, 0]  # no budget left
+    spent = StepRow("ngram:4", 0, True, 5.0, 2.3)  # its budget's last token: guesses nothing
+    assert b.step_caps([spent, guess], step) == [0, 4]  # priced as plain, not by its history
+    assert b.step_values([spent, guess], step)[0] == b.step_values([plain, guess], step)[0]
 
     def row(arm: str, adaptive: bool, rounds=4, proposed=0, accepted=0) -> Row:
         r = Row(key=None, prompt=[1], max_tokens=8, arm=parse_arm(arm), epoch=0, start=0.0,
@@ -504,6 +506,15 @@ def test_the_step_gate_caps_the_bandit_rows_guesses_at_what_pays_at_this_batch()
     assert policy.may_guess(full[:1], step, None) == [4]  # alone
     plausible = Policy(EpsilonGreedy(["0", "ngram:4"], random.Random(0)))
     assert plausible.may_guess(full, step, None) == [4, 4, *[0] * 14]
+    # Prompt lookup guesses all its k or none: a row that guesses in half its steps is priced
+    # half at 0 guesses, half at 4, not at the mean 2, where the pass has a knee.
+    b.positions.clear()
+    teach(b, "ngram:4", 10, [5, 5, 5, 5], [3, 2, 1, 0])
+    knee = ((1.0, 0.09), (4.0, 0.10), (16.0, 0.25))
+    values, _ = b.step_values([guess, StepRow("0", 0, False)], knee)
+    exact = 0.5 * step_seconds(knee, 2) + 0.5 * step_seconds(knee, 6)
+    assert values[4] == pytest.approx(2.6 / exact)
+    assert values[4] < 2.6 / step_seconds(knee, 4)  # the mean feed's price
 
 
 def test_the_step_gate_judges_the_rows_guessing_together():
@@ -619,7 +630,8 @@ def test_goodput_the_margin_a_guess_must_beat_grows_with_the_rows(per_row):
         return b.step_caps(view, curve)[0] > 0
 
     assert b.margin(2) == pytest.approx(0.05) and b.margin(1) == pytest.approx(0.05)
-    assert guesses(2) if at(2) else False
+    at(2)
+    assert guesses(2)
     assert b.choose(at(2)).arm == "ngram:2"
     four = at(4)
     assert b.margin(4) == pytest.approx(0.05 + 2 * per_row)
@@ -817,8 +829,9 @@ def test_a_request_that_plain_wins_beside_a_plain_row_gets_the_gated_guesser_if_
     """Beside a plain row a second guesser can lose to plain (a guess beside a plain row
     gained 3% at 2 clients, two guessing rows 1.12-1.20x; AMD EPYC, eagle:2), and a plain arm
     is for the request's life, so plain beside plain stayed plain. Where a speculative arm
-    wins alone, the request gets that strategy at the K best at this load, deferred to the
-    step loop's gate; where none wins alone (or the one-row curve is unknown), plain."""
+    wins alone, the request gets the arm best alone, deferred to the step loop's gate (which
+    caps its guesses at what pays at each step); where none wins alone (or the one-row curve
+    is unknown), plain."""
     from pipeline.speculative.bandit import Context
 
     b = goodput_bandit(arms=("0", "ngram:4", "eagle:2"))

@@ -239,8 +239,8 @@ def test_step_cost_per_row_count_prices_a_guess_by_the_load_it_was_measured_at()
 
 def test_step_cost_below_what_a_row_count_measured_follows_the_all_rows_curve_down():
     """4 rows measured only guessing (12 tokens, 146 ms: AMD EPYC, AVX2, float32): their plain
-    4-token step is priced by the all-rows curve's decrement from there (146 - (140 - 84) =
-    90 ms), not held at 146 ms, which made plain look as dear as guessing."""
+    4-token step is priced in proportion to the all-rows curve from there (146 x 84 / 143 =
+    86 ms), not held at 146 ms, which made plain look as dear as guessing."""
     from pipeline.speculative.bandit import step_seconds
 
     cost = StepCost()
@@ -248,9 +248,9 @@ def test_step_cost_below_what_a_row_count_measured_follows_the_all_rows_curve_do
         for _ in range(3):
             cost.observe(fed, ms / 1000, rows)
     every, at4 = cost.curve(), cost.curve(4)
-    low = step_seconds(every, 12) - step_seconds(every, 4)
+    ratio = step_seconds(every, 4) / step_seconds(every, 12)
     assert step_seconds(at4, 12) == pytest.approx(0.146)
-    assert step_seconds(at4, 4) == pytest.approx(0.146 - low)
+    assert step_seconds(at4, 4) == pytest.approx(0.146 * ratio)
     assert step_seconds(at4, 4) < 0.146 * 0.7
 
 

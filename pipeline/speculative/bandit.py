@@ -672,19 +672,21 @@ class GoodputBandit(EpsilonGreedy):
     def guesses(self, arm, temperature: float = 0.0) -> list[tuple[float, float]] | None:
         """What a row of `arm` guesses and commits a step if it may guess at most j tokens,
         for j = 0..k: [(guesses fed, tokens committed), ...] from its strategy's acceptance
-        at this temperature (until measured there, the greedy figures). None: plain, or a
-        position never measured."""
+        at this temperature (until measured there, the greedy figures), as far as its positions
+        were measured. None: plain, or not even its first position measured. Read under the
+        lock (`step_values`)."""
         s, k = strategy_of(arm), int(str(arm).partition(":")[2] or 0)
         if not s or k == 0:
             return None
         ctx = Context(temperature=temperature)
         st = self.positions.get(self._key(s, ctx)) or self.positions.get(s)
         top = self.top
-        k = min(k, top)
-        if st is None or any(st[i] <= 0 for i in range(k)):
+        if st is None or st[0] <= 0:
             return None
         out, fed, tokens = [(0.0, 1.0)], 0.0, 1.0
-        for i in range(k):
+        for i in range(min(k, top)):
+            if st[i] <= 0:  # never measured this far (a shorter arm, capped rows): up to here
+                break
             fed += st[top + i] / st[i]
             tokens += st[2 * top + i] / st[i]
             out.append((fed, tokens))
@@ -699,8 +701,10 @@ class GoodputBandit(EpsilonGreedy):
 
             goodput(c) = sum_r tokens_r(c) / (S(sum_r (1 + guesses_r(c))) + H + D)
 
-        with S the step curve at the mean feed, H and D the head's and the draft model's shared
-        passes (`shared_passes`) over the rows' guesses; an adaptive row at cap c guesses and
+        with S the step curve (at the mean feed, except that a prompt-lookup row guesses all
+        its j or none, so the step is priced per number of its guesses, as `predict` does),
+        H and D the head's and the draft model's shared passes (`shared_passes`) over the
+        rows' guesses; an adaptive row at cap c guesses and
         commits what its strategy's acceptance predicts for min(k, c) guesses (`guesses`), a
         fixed row what it has so far. c > 0 must beat c = 0 by `margin(rows)`: a wrong guess
         costs every row.
@@ -733,16 +737,25 @@ class GoodputBandit(EpsilonGreedy):
         def goodput(cap: int) -> float:
             fed = tokens = 0.0
             passes: dict[str, list[float]] = {"draft": [], "eagle": []}
+            spread = [1.0]  # the chance of each number of prompt-lookup guesses beyond `fed`
             for i, r in enumerate(rows):
-                if i in plans:
+                if r.k == 0:  # it cannot guess this step (plain, or its budget's last token)
+                    g, t = 0.0, 1.0
+                elif i in plans:
                     p = plans[i]
-                    g, t = p[min(cap, r.k, len(p) - 1)] if p else (0.0, 1.0)
+                    j = min(cap, r.k, len(p) - 1) if p else 0
+                    g, t = p[j] if p else (0.0, 1.0)
+                    if strategy_of(r.arm) == "ngram" and j > 0:  # all its j guesses or none
+                        share = g / j
+                        spread = [(1 - share) * a + (share * spread[n - j] if n >= j else 0.0)
+                                  for n, a in enumerate(spread + [0.0] * j)]  # fmt: skip
+                        g = 0.0
                 else:
                     g, t = r.fed - 1, r.tokens
                 fed += 1 + g
                 tokens += t
                 passes.setdefault(strategy_of(r.arm), []).append(g)
-            cost = step_seconds(step_cost, fed)
+            cost = sum(w * step_seconds(step_cost, fed + n) for n, w in enumerate(spread) if w)
             if head_cost:
                 cost += shared_passes(head_cost, passes["eagle"])
             if draft_cost:

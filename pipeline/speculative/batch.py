@@ -76,9 +76,10 @@ class StepCost:
     and one curve over every load priced one guessing row beside 15 plain ones at the cheap
     figure. Past the largest size measured at that many rows, the curve goes on with the
     all-rows curve's increments: an optimistic guess, so a load where nobody guessed yet is
-    tried, measured, and from then on priced by what it measured. Below the smallest, with its
-    decrements (a pessimistic guess for guessing: plain is priced lower, so a load measured only
-    guessing is tried plain, and measured). (Below it held flat at the smallest, a batch of 4
+    tried, measured, and from then on priced by what it measured. Below the smallest, in
+    proportion to the all-rows curve (a pessimistic guess for guessing: plain is priced lower,
+    so a load measured only guessing is tried plain, and measured; in proportion, so it never
+    reaches 0). (Below it held flat at the smallest, a batch of 4
     rows measured only guessing, 12 tokens at 146 ms, priced its plain 4-token step at the same
     146 ms where it took 84, and the gate predicted guessing 1.49x plain where it read
     0.88-0.94x; AMD EPYC, AVX2, float32.)"""
@@ -137,7 +138,7 @@ class StepCost:
     def curve(self, rows: int | None = None) -> tuple[tuple[float, float], ...]:
         """The measured (n, seconds) points, ascending in n: each bucket's weighted means; with
         `rows`, those of steps of that many rows, continued below the smallest and past the
-        largest by the all-rows curve's steps (class docstring). No steps of that many rows:
+        largest by the all-rows curve (class docstring). No steps of that many rows:
         the all-rows curve."""
         every = self._points(self.buckets)
         own = self._points(self.by_rows.get(self.bucket(rows), {})) if rows else ()
@@ -145,7 +146,7 @@ class StepCost:
             return every
         (x0, y0), (x1, y1) = own[0], own[-1]
         low, high = step_seconds(every, x0), step_seconds(every, x1)
-        below = [(x, max(0.0, y0 - max(0.0, low - step_seconds(every, x))))
+        below = [(x, y0 * min(1.0, step_seconds(every, x) / low) if low > 0 else y0)
                  for x, _ in every if x < x0]  # fmt: skip
         beyond = [(x, y1 + max(0.0, step_seconds(every, x) - high)) for x, _ in every if x > x1]
         return tuple(below) + own + tuple(beyond)

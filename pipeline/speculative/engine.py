@@ -44,8 +44,9 @@ class GenerationResult:
     proposed: int = 0
     accepted: int = 0
     rounds: int = 0
-    # Per position: the rounds that could guess there (None: every round, to its k), those
-    # that did, and those whose guesses up to it were all accepted.
+    # Per position: the rounds that could guess there (None, the one-request engine: taken as
+    # every round, to its k, its budget's last rounds included), those that did, and those
+    # whose guesses up to it were all accepted.
     eligible_per_position: list[int] | None = None
     proposed_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
