@@ -79,10 +79,10 @@ class StepCost:
     tried, measured, and from then on priced by what it measured. Below the smallest, in
     proportion to the all-rows curve (a pessimistic guess for guessing: plain is priced lower,
     so a load measured only guessing is tried plain, and measured; in proportion, so it never
-    reaches 0). (Below it held flat at the smallest, a batch of 4
-    rows measured only guessing, 12 tokens at 146 ms, priced its plain 4-token step at the same
-    146 ms where it took 84, and the gate predicted guessing 1.49x plain where it read
-    0.88-0.94x; AMD EPYC, AVX2, float32.)"""
+    reaches 0). (Held flat below the smallest, a batch of 4 rows measured only guessing, 12
+    tokens at 146 ms, priced its plain 4-token step at the same 146 ms where it took 84, and
+    the gate predicted guessing 1.49x plain where it read 0.88-0.94x; AMD EPYC, AVX2,
+    float32.)"""
 
     BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
     BUCKET_DECAY = 0.9  # a bucket follows its own recent steps (the machine's load changes)
