@@ -397,6 +397,9 @@ class RowBatch:
             if moved is not None:
                 next(r for r in self.rows if r.dslot == moved).dslot = row.dslot
         self.rows.remove(row)
+        # Rows in slot order: a pass over all of them reads the cache as a view (`RowCache.plan`,
+        # contiguous slots) instead of copying every layer's keys and values out and back.
+        self.rows.sort(key=lambda r: r.tslot)
 
     def calibrate(self, prompt: Sequence[int], arms: Sequence[Arm], tokens: int = 16) -> None:
         """Time the steps each of `arms` makes, one row alone (`tokens` tokens of `prompt`
@@ -532,6 +535,7 @@ class RowBatch:
         if not rows:
             return 0.0
         start = time.perf_counter()
+        rows = sorted(rows, key=lambda r: r.dslot)  # slot order: the draft cache read as a view
         _, dc = self._caches()
         drafter = self.engine.drafter
         head, ids = drafter.step.args
