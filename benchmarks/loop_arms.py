@@ -1,6 +1,6 @@
 """The step loop in process (no server): 1 and 8 rows of one arm, the held-out prompts, 48 tokens.
 
-    .venv/bin/python -m benchmarks.loop_arms [--mixed | --grid | --profile | --kept ROWS]
+    .venv/bin/python -m benchmarks.loop_arms [--mixed | --grid | --profile | --slots | --kept ROWS]
         [--arms 0 ngram:4 eagle:4] [--set k=v ...]
 
 Prints per arm and row count: steps, wall seconds, tokens/s, mean step, and the loop's measured
@@ -9,6 +9,8 @@ step-cost curve ((tokens fed, ms) per size bucket) that the goodput policy predi
 all eagle:2 held back by the gate, all eagle:2 guessing, all eagle:2 capped per step by the
 goodput policy's gate (with its predictions); tokens/s and the head's ms a step
 (`--temperature 0.7`: sampled).
+`--slots`: one target pass of a token a row at 4, 8 and 16 rows (200 positions each), the rows'
+cache slots in order (read as a view) against permuted (copied out each layer), alternated.
 `--mixed`: instead, 16 rows: all plain, against 10 plain + 6 bandit (adaptive) ngram:4 rows that
 the per-step gate holds back, and the same 6 guessing; twice, alternated. Needs a workspace with
 the split (`make demo`, or `python -m pipeline split`). `--set models.dtype=float32` (or
@@ -167,6 +169,34 @@ def profile(pair) -> None:
               f"({mm / (1000 * plain):.0%}); top self times (ms): {top}", flush=True)  # fmt: skip
 
 
+def slots(pair) -> None:
+    """A target pass over rows whose cache slots are in order (`RowCache.plan` reads the cache
+    as a view) against the same rows permuted (each layer's keys and values copied out): what
+    keeping `RowBatch.rows` in slot order saves. Median of 25 passes each, alternated."""
+    from statistics import median
+
+    from pipeline.speculative.rows import RowCache, target_scores
+
+    model = pair.engine.target
+    for n in (4, 8, 16):
+        cache = RowCache(model, n, 1024)
+        order = [cache.alloc() for _ in range(n)]
+        target_scores(model, cache, order, [[5] * 200 for _ in order])
+        permuted = [order[0], order[-1], *order[1:-1]]
+        times: dict[str, list[float]] = {"in order": [], "permuted": []}
+        for rep in range(30):
+            for name, ss in (("in order", order), ("permuted", permuted)):
+                t0 = time.perf_counter()
+                target_scores(model, cache, ss, [[7] for _ in ss])
+                if rep >= 5:
+                    times[name].append(time.perf_counter() - t0)
+                for s in ss:
+                    cache.crop(s, 200)
+        a, b = (1000 * median(times[k]) for k in ("in order", "permuted"))
+        print(f"{n} rows: slots in order {a:.1f} ms, permuted {b:.1f} ms ({b / a:.2f}x)",
+              flush=True)  # fmt: skip
+
+
 def grid(pair, prompts, arm: str) -> None:
     """A step's time against rows and tokens fed: n rows (1, 2, 4, 8, 16), of which g guess
     with `arm` (0, 1, n/2, n) and the rest are plain; the median step (draft passes excepted,
@@ -205,6 +235,7 @@ def main() -> None:
         help="step time against rows and tokens fed, the first of --arms guessing",
     )
     ap.add_argument("--profile", action="store_true", help="a target pass's time in matmuls")
+    ap.add_argument("--slots", action="store_true", help="a pass with cache slots in order or not")
     ap.add_argument(
         "--kept",
         type=int,
@@ -240,6 +271,9 @@ def main() -> None:
         return
     if args.profile:
         profile(pair)
+        return
+    if args.slots:
+        slots(pair)
         return
     if args.kept:
         kept(pair, cfg, prompts, args.arms[0], args.kept, temperature=args.temperature)
