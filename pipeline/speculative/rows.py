@@ -7,7 +7,10 @@ positions are always the prefix `[0, length)` of that row. Rows accept different
 tokens, so after a verify each row just sets its own length back (`crop`): the rejected guesses'
 entries stay where they are, invisible, and the next feed overwrites them. Nothing moves on a
 rollback. Slots stay packed (`0 .. used-1`): when a row leaves, the last row is copied into its
-slot (its valid prefix, every layer), so a forward over all rows reads plain views.
+slot (its valid prefix, every layer), so a forward over all rows, fed in slot order, reads plain
+views (`RowBatch` keeps its rows in that order); rows fed in any other order are gathered, a
+copy of every layer's keys and values (1.08-1.17x a pass at 4-16 rows on the Intel Xeon:
+`benchmarks.loop_arms --slots`).
 
 Forward: **flattened, as vLLM's**. The rows' feeds (each its own length: a plain row 1 token, a
 verify k+1, a joiner its prompt) are concatenated into one sequence of T tokens, each with its
