@@ -26,7 +26,8 @@ clock, p50/p95 latency and time to first token, acceptance from the server's own
 Phoenix the arms that served the requests (the bandit's choices at that concurrency).
 
 Writes <artifacts>/perf/serving_load.{json,md,png}: a table per engine, the bandit's ratios to
-target-only and to the best single mode at each concurrency, and tokens/s against concurrency,
+target-only and to the best single mode at each concurrency (each with its rounds' range and the
+95% interval of their mean, `interval`), and tokens/s against concurrency,
 one line per mode and engine.
 """
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import shutil
 import time
 from pathlib import Path
@@ -150,19 +152,43 @@ def round_ratios(a: dict, b: dict) -> list[float]:
     return [x / y for x, y in zip(ra, rb, strict=False) if y > 0]
 
 
+# Student's t, two-sided 95%, by degrees of freedom (1-30); past 30, 2.04 (its value at 30).
+T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+       2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+       2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
+
+
+def interval(ratios: list[float]) -> tuple[float, float, float] | None:
+    """The rounds' geometric mean ratio and its 95% interval (Student's t over the rounds'
+    log ratios: each round a paired comparison of the same prompts); None under 2 rounds.
+    An interval that holds 1.0 cannot tell the two modes apart at these rounds."""
+    if len(ratios) < 2:
+        return None
+    logs = [math.log(r) for r in ratios]
+    n = len(logs)
+    mean = sum(logs) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1))
+    half = T95[min(n - 1, len(T95)) - 1] * sd / math.sqrt(n)
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
 def spread(ratios: list[float]) -> str:
-    """`rounds 0.94-1.06x, 3 of 4 >= 1`: the per-round range of a ratio (empty: no rounds)."""
+    """`rounds 0.94-1.06x, 3 of 4 >= 1, mean 0.99x (95%: 0.93-1.05)`: the per-round range of
+    a ratio, and its interval (`interval`) where there are 2 rounds or more (empty: no rounds)."""
     if not ratios:
         return ""
     at_least = sum(r >= 1.0 for r in ratios)
-    return (f"rounds {min(ratios):.2f}-{max(ratios):.2f}x, "
-            f"{at_least} of {len(ratios)} >= 1")  # fmt: skip
+    out = f"rounds {min(ratios):.2f}-{max(ratios):.2f}x, {at_least} of {len(ratios)} >= 1"
+    if (ci := interval(ratios)) is not None:
+        out += f", mean {ci[0]:.2f}x (95%: {ci[1]:.2f}-{ci[2]:.2f})"
+    return out
 
 
 def verdict(phoenix: dict, peers: dict, clients: list[int]) -> list[str]:
     """The issue's goals against what was measured (only those this run can speak to). Each
-    ratio to target-only and to the best mode comes with its per-round range (`spread`): a
-    pooled 0.98x whose rounds run from 0.90x to 1.06x is the machine's noise, not a verdict."""
+    ratio to target-only and to the best mode comes with its per-round range and interval
+    (`spread`): a pooled 0.98x whose rounds run from 0.90x to 1.06x is the machine's noise, not
+    a verdict."""
     modes = phoenix["modes"]
 
     def tps(points, c):

@@ -285,6 +285,29 @@ def test_serving_load_sweeps_every_mode_and_names_the_bandits_arms(
     assert f"rounds {min(ratios):.2f}-{max(ratios):.2f}x" in md
 
 
+def test_a_ratio_interval_over_rounds_is_students_t_on_the_log_ratios():
+    """Rounds 1.1 and 1/1.1: geometric mean 1.0, half-width t(1) * sd / sqrt(2) on the logs
+    (sd = sqrt(2) * log 1.1): exp(+-12.706 * log 1.1). Identical rounds: a zero-width interval
+    at their value; one round: none; the worded spread carries the interval."""
+    import math
+
+    from benchmarks import serving_load
+
+    mean, lo, hi = serving_load.interval([1.1, 1 / 1.1])
+    assert mean == pytest.approx(1.0)
+    assert (lo, hi) == pytest.approx((1.1**-12.706, 1.1**12.706))
+    assert serving_load.interval([0.9] * 4) == pytest.approx((0.9, 0.9, 0.9))
+    assert serving_load.interval([1.2]) is None
+    ratios = [0.86, 0.95, 0.92, 1.0]
+    mean, lo, hi = serving_load.interval(ratios)
+    logs = [math.log(r) for r in ratios]
+    m = sum(logs) / 4
+    sd = math.sqrt(sum((x - m) ** 2 for x in logs) / 3)
+    assert mean == pytest.approx(math.exp(m)) and hi == pytest.approx(math.exp(m + 3.182 * sd / 2))
+    assert hi < 1.0 + 0.05 and lo < mean < hi
+    assert serving_load.spread(ratios).endswith(f"mean {mean:.2f}x (95%: {lo:.2f}-{hi:.2f})")
+
+
 @pytest.mark.slow
 def test_performance_benchmark_reports_both_figures(merged_ws, tmp_path):
     """benchmarks.performance end to end on the tiny models (a smoke run: figures exist and
