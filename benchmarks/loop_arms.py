@@ -1,6 +1,6 @@
 """The step loop in process (no server): 1 and 8 rows of one arm, the held-out prompts, 48 tokens.
 
-    .venv/bin/python -m benchmarks.loop_arms [--mixed | --grid | --profile | --slots | --kept ROWS]
+    .venv/bin/python -m benchmarks.loop_arms [--mixed | --grid | --profile | --slots | --catch-up | --kept ROWS]
         [--arms 0 ngram:4 eagle:4] [--set k=v ...]
 
 Prints per arm and row count: steps, wall seconds, tokens/s, mean step, and the loop's measured
@@ -11,6 +11,8 @@ goodput policy's gate (with its predictions); tokens/s and the head's ms a step
 (`--temperature 0.7`: sampled).
 `--slots`: one target pass of a token a row at 4, 8 and 16 rows (200 positions each), the rows'
 cache slots in order (read as a view) against permuted (copied out each layer), alternated.
+`--catch-up --arms eagle:2`: 8 rows held back 0, 10 and 30 steps, then guessing: the step that
+ends the hold (the head reads every state held back) and the two after it.
 `--mixed`: instead, 16 rows: all plain, against 10 plain + 6 bandit (adaptive) ngram:4 rows that
 the per-step gate holds back, and the same 6 guessing; twice, alternated. Needs a workspace with
 the split (`make demo`, or `python -m pipeline split`). `--set models.dtype=float32` (or
@@ -197,6 +199,30 @@ def slots(pair) -> None:
               flush=True)  # fmt: skip
 
 
+def catch_up(pair, prompts, arm: str, rows: int = 8) -> None:
+    """A guess after a hold: `rows` rows of `arm` held back by the gate for 0, 10 and 30 steps,
+    then let guess; the step that ends the hold and the next two, whole and the proposer's
+    part (an EAGLE-3 head reads every state held back in that step). Twice each."""
+    for hold in (0, 10, 30):
+        for _ in range(2):
+            b = RowBatch(pair.engine, max_rows=rows)
+            for r in b.join([(i, prompts[i], 60, parse_arm(arm)) for i in range(rows)]):
+                r.adaptive = True
+            took: list[float] = []
+            b._eagle = lambda rs, inner=b._eagle, took=took: took.append(inner(rs)) or took[-1]
+            b._draft = lambda rs, inner=b._draft, took=took: took.append(inner(rs)) or took[-1]
+            seen = []
+            for s in range(hold + 3):
+                t0 = time.perf_counter()
+                b.step(gate=lambda rs, s=s, h=hold: [0 if s < h else 99] * len(rs))
+                if s >= hold:
+                    seen.append(f"{1000 * (time.perf_counter() - t0):.1f} ms "
+                                f"({1000 * sum(took):.1f} proposing)")  # fmt: skip
+                took.clear()
+            print(f"{rows} rows of {arm} held {hold} steps, then guessing: " + ", ".join(seen),
+                  flush=True)  # fmt: skip
+
+
 def grid(pair, prompts, arm: str) -> None:
     """A step's time against rows and tokens fed: n rows (1, 2, 4, 8, 16), of which g guess
     with `arm` (0, 1, n/2, n) and the rest are plain; the median step (draft passes excepted,
@@ -237,6 +263,11 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="a target pass's time in matmuls")
     ap.add_argument("--slots", action="store_true", help="a pass with cache slots in order or not")
     ap.add_argument(
+        "--catch-up",
+        action="store_true",
+        help="8 rows of the first of --arms: a guess after a hold",
+    )
+    ap.add_argument(
         "--kept",
         type=int,
         metavar="ROWS",
@@ -274,6 +305,9 @@ def main() -> None:
         return
     if args.slots:
         slots(pair)
+        return
+    if args.catch_up:
+        catch_up(pair, prompts, args.arms[0])
         return
     if args.kept:
         kept(pair, cfg, prompts, args.arms[0], args.kept, temperature=args.temperature)
