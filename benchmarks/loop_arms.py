@@ -1,6 +1,6 @@
 """The step loop in process (no server): 1 and 8 rows of one arm, the held-out prompts, 48 tokens.
 
-    .venv/bin/python -m benchmarks.loop_arms [--mixed | --grid | --profile | --slots | --catch-up | --kept ROWS]
+    .venv/bin/python -m benchmarks.loop_arms [--mixed | --grid | --profile | --slots | --pools | --catch-up | --kept ROWS]
         [--arms 0 ngram:4 eagle:4] [--set k=v ...]
 
 Prints per arm and row count: steps, wall seconds, tokens/s, mean step, and the loop's measured
@@ -11,6 +11,9 @@ goodput policy's gate (with its predictions); tokens/s and the head's ms a step
 (`--temperature 0.7`: sampled).
 `--slots`: one target pass of a token a row at 4, 8 and 16 rows (200 positions each), the rows'
 cache slots in order (read as a view) against permuted (copied out each layer), alternated.
+`--pools`: a target pass on this thread alone, beside another thread that once ran a parallel
+torch op and idles (its OpenMP pool alive: libgomp then stops spinning on these 2 cores), and
+alone again after that thread ended.
 `--catch-up --arms eagle:2`: 8 rows held back 0, 10 and 30 steps, then guessing: the step that
 ends the hold (the head reads every state held back) and the two after it.
 `--mixed`: instead, 16 rows: all plain, against 10 plain + 6 bandit (adaptive) ngram:4 rows that
@@ -199,6 +202,35 @@ def slots(pair) -> None:
               flush=True)  # fmt: skip
 
 
+def pools(pair, rounds: int = 3) -> None:
+    """A step on this thread alone, and beside another thread that once ran a parallel torch
+    op and now idles (it keeps its OpenMP pool while it lives: `serving.scheduler`), then
+    alone again once it has ended; medians of 15 one-token and 5-token passes, `rounds` times."""
+    import threading
+
+    from pipeline.speculative.runner import step_ms
+
+    def measure(label: str) -> None:
+        one, five = step_ms(pair.target, 1, repeat=15), step_ms(pair.target, 5, repeat=15)
+        print(f"{label}: 1 token {one:.1f} ms, 5 tokens {five:.1f} ms", flush=True)
+
+    for _ in range(rounds):
+        measure("alone")
+        release, ready = threading.Event(), threading.Event()
+
+        def idle(ready=ready, release=release) -> None:
+            torch.ones(1 << 22).sum()  # one parallel region: this thread's pool exists now
+            ready.set()
+            release.wait()
+
+        helper = threading.Thread(target=idle)
+        helper.start()
+        ready.wait()
+        measure("beside an idle thread with a pool")
+        release.set()
+        helper.join()
+
+
 def catch_up(pair, prompts, arm: str, rows: int = 8) -> None:
     """A guess after a hold: `rows` rows of `arm` held back by the gate for 0, 10 and 30 steps,
     then let guess; the step that ends the hold and the next two, whole and the proposer's
@@ -262,6 +294,7 @@ def main() -> None:
     )
     ap.add_argument("--profile", action="store_true", help="a target pass's time in matmuls")
     ap.add_argument("--slots", action="store_true", help="a pass with cache slots in order or not")
+    ap.add_argument("--pools", action="store_true", help="a step beside another thread's pool")
     ap.add_argument(
         "--catch-up",
         action="store_true",
@@ -305,6 +338,9 @@ def main() -> None:
         return
     if args.slots:
         slots(pair)
+        return
+    if args.pools:
+        pools(pair)
         return
     if args.catch_up:
         catch_up(pair, prompts, args.arms[0])

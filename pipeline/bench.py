@@ -231,7 +231,10 @@ def measure_all(
 
     def core_of(pair: models.Pair, draft: str | None, state=None, policy=None) -> ServingCore:
         mode = "bandit" if draft else "target"  # batch size 1: the protocol
-        return make_core(cfg, pair, mode, draft, state_file=state, max_batch=1, policy=policy)
+        # Not started: every step runs on this thread, the one that loaded the models (a loop
+        # thread beside it ran 1.6-1.7x slower: `serving.scheduler`).
+        return make_core(cfg, pair, mode, draft, state_file=state, max_batch=1, policy=policy,
+                         start=False)  # fmt: skip
 
     def measure(core: ServingCore, draft: str, mode_text: str, label: str | None = None):
         records.extend(measure_mode(cfg, telemetry, core, draft, mode_text, ids, rows, label))

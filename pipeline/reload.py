@@ -18,7 +18,7 @@ from typing import Any
 from . import models
 from .artifacts import current_pointer, weights_id
 from .drafts import resolve_served
-from .serving.scheduler import background
+from .serving.scheduler import apart, background
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,17 @@ class DraftReloader:
 
         return background(loop, "phoenix-draft-watch")
 
+    def _load(self, served, current: models.Pair) -> models.Pair:
+        """The new draft beside the served target, warm before it serves. On a thread that
+        ends with it (`scheduler.apart`): a watcher or a request handler that ran torch would
+        keep an OpenMP pool beside the step loop's, and every step after the first reload
+        would run 1.6-1.7x slower (`serving.scheduler`)."""
+        pair = models.load_pair(
+            self.cfg, self.ws, served.spec, share_target=current, head_dir=served.head
+        )
+        models.compile_engine(self.cfg, self.ws, pair)
+        return pair
+
     def reload(self, reason: str) -> dict[str, Any]:
         """Resolve `server.draft` again and swap if it names other weights. Never raises: the
         outcome is returned (and logged, and on failure sent to Sentry)."""
@@ -84,10 +95,7 @@ class DraftReloader:
                     return {"reloaded": False, "draft": old,
                             "reason": f"{served.spec} is another kind of draft (draft model, "
                             "EAGLE-3 head): restart the server to serve it"}  # fmt: skip
-                pair = models.load_pair(
-                    self.cfg, self.ws, served.spec, share_target=core.pair, head_dir=served.head
-                )
-                models.compile_engine(self.cfg, self.ws, pair)  # warm before it serves
+                pair = apart(lambda: self._load(served, core.pair), "phoenix-draft-load")
                 waited = core.swap_draft(pair, served.label, served.describe())
             except Exception as exc:  # noqa: BLE001 - whatever failed, the old draft serves on
                 self.metrics.draft_reloads.labels(outcome="failed").inc()

@@ -12,7 +12,7 @@ import torch
 from pipeline import eagle3
 from pipeline.models import user_prompt_ids
 from pipeline.serving.request import Cancelled, Refused
-from pipeline.serving.scheduler import Job, Scheduler
+from pipeline.serving.scheduler import Job, Scheduler, apart
 from pipeline.speculative.arms import parse_arm
 from pipeline.speculative.bandit import per_step
 from pipeline.speculative.batch import RowBatch, StepCost
@@ -143,6 +143,61 @@ def test_a_failing_step_fails_its_rows_and_the_loop_goes_on(engine, monkeypatch)
         submit(loop, ids, 5, "0")
     res = submit(loop, ids, 5, "ngram:2")
     assert res.token_ids == reference(eng, ids, 5).token_ids
+
+
+def test_a_loop_not_started_runs_on_the_callers_thread_until_started(engine):
+    """One thread runs the models (`serving.scheduler`): made with `start=False`, the loop has
+    no thread; its calls and, through `drain`, its steps run on the caller's thread, exactly,
+    until `start()`; from then on both run on the loop's own thread. Stopped before it ever
+    started, a waiting job hears `Cancelled`."""
+    tok, eng = engine
+    here = threading.get_ident()
+    loop = Scheduler(RowBatch(eng, 2), start=False)
+    stepped: list[int] = []
+    step = loop.batch.step
+    loop.batch.step = lambda *a, **k: (stepped.append(threading.get_ident()), step(*a, **k))[1]
+    ids = user_prompt_ids(tok, PROMPTS[0])
+    assert not loop.started and loop.call(lambda b: threading.get_ident()) == here
+    done = []
+    loop.submit(Job(ids, 6, parse_arm("ngram:2"), done.append))
+    assert not done  # nothing runs it until the caller drains
+    loop.drain()
+    assert done[0].result.token_ids == reference(eng, ids, 6).token_ids
+    assert set(stepped) == {here} and not loop.started
+    loop.start()
+    stepped.clear()
+    try:
+        there = loop.call(lambda b: threading.get_ident())
+        assert loop.started and there != here
+        assert submit(loop, ids, 6, "draft:2").token_ids == reference(eng, ids, 6).token_ids
+        assert set(stepped) == {there}
+        with pytest.raises(RuntimeError, match="own thread"):
+            loop.drain()
+    finally:
+        loop.stop()
+    idle = Scheduler(RowBatch(eng, 2), start=False)
+    idle.submit(Job(ids, 4, parse_arm("0"), done.append))
+    idle.stop()
+    assert isinstance(done[-1].error, Cancelled)
+
+
+def test_apart_runs_on_a_thread_that_has_ended():
+    """`apart`: torch work beside a running loop goes to a thread of its own that is gone when
+    it returns (its OpenMP pool with it); its value comes back, its error is raised here."""
+    seen: list[threading.Thread] = []
+
+    def work():
+        seen.append(threading.current_thread())
+        return torch.ones(4).sum().item()
+
+    assert apart(work) == 4.0
+    assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
+
+    def broken():
+        raise ValueError("no such draft")
+
+    with pytest.raises(ValueError, match="no such draft"):
+        apart(broken)
 
 
 def test_requests_that_cannot_join_are_refused_alone(engine):

@@ -47,9 +47,12 @@ class ServingCore:
         limit: int | None = None,
         draft_info: dict | None = None,
         target_spec: str | None = None,
+        start: bool = True,
     ):
         """`limit`: the longest prompt + output a row may reach (default: the engine's);
-        `draft_info`: what /v1/models says of the draft (drafts.ServedDraft.describe())."""
+        `draft_info`: what /v1/models says of the draft (drafts.ServedDraft.describe());
+        `start=False`: the loop runs on the caller's thread until `scheduler.start()`
+        (`Scheduler`: one thread runs the models)."""
         self.pair = pair
         self.tokenizer = pair.tokenizer
         self.policy = policy
@@ -65,7 +68,8 @@ class ServingCore:
                 "model or head for them"
             )
         self.default_mode = parse_mode(default_mode, policy.arms, self.has_draft, self.has_head)
-        self.scheduler = Scheduler(RowBatch(pair.engine, max_rows, limit), gate=self._gate)
+        self.scheduler = Scheduler(RowBatch(pair.engine, max_rows, limit), gate=self._gate,
+                                   start=start)  # fmt: skip
         self._labels = {0: draft_id}  # draft epoch -> the draft's label
         # A prompt longer than this cannot fit the context, whatever its tokens: refused before
         # it is tokenised (a byte-level token spells at most its longest entry's characters).
@@ -238,8 +242,11 @@ class ServingCore:
         )
 
     def generate(self, req: Request, timeout: float | None = None) -> CoreResult:
-        """`submit` and wait for the result (the bench, the tests)."""
+        """`submit` and wait for the result (the bench, the tests); a loop not started runs
+        here until it is done."""
         self.submit(req)
+        if not self.scheduler.started:
+            self.scheduler.drain()
         return req.result(timeout)
 
     def swap_draft(self, pair: models.Pair, draft_id: str, draft_info: dict) -> float:
@@ -297,10 +304,12 @@ def build_core(
         draft_info=served.describe() if served else None,
         state_file=ws.state / "bandit.json",
         prior=drafts.bench_prior(cfg, ws, served),
+        start=False,
     )
     bandit = core.policy.bandit
     if isinstance(bandit, GoodputBandit) and bandit.positions:  # acceptance known: time steps
-        core.calibrate()
+        core.calibrate()  # here, on the thread that loaded the models (`Scheduler`)
+    core.scheduler.start()
     return core
 
 
@@ -315,12 +324,14 @@ def make_core(
     policy: str | None = None,
     clock: Callable[[], float] = time.monotonic,
     prior: tuple[dict, str] | None = None,
+    start: bool = True,
 ) -> ServingCore:
     """Every serving core (server, local teacher, bench, tests) is built here, its policy from
     the config's `bandit` section. `mode`: the default mode (default `server.mode`);
     `draft_id`, `draft_info`: the draft's label (tags, metrics) and what /v1/models says of it;
     `max_batch`: rows the loop runs together (default `server.max_batch`); `policy`: another
-    `bandit.policy`; `prior`: acceptance for the bandit to start from (`drafts.bench_prior`)."""
+    `bandit.policy`; `prior`: acceptance for the bandit to start from (`drafts.bench_prior`);
+    `start=False`: the loop runs on the caller's thread until `core.scheduler.start()`."""
     has_draft = pair.draft_ref is not None
     runnable = [
         a
@@ -341,4 +352,5 @@ def make_core(
         default_mode=mode or cfg.server.mode,
         max_rows=cfg.server.max_batch if max_batch is None else max_batch,
         limit=cfg.engine.max_context,
+        start=start,
     )

@@ -10,6 +10,17 @@ and the loop goes on with the jobs that come next; a prefill that raises fails i
 
 `stalled_s()` is how long the loop has had work without finishing a step (the server's /health
 turns 503 past `server.stuck_after_s`).
+
+One thread runs the models. A thread that has run a parallel torch op keeps an OpenMP thread
+pool for the rest of its life, and with more pooled threads alive than cores (two pools on these
+2 cores) libgomp stops its workers spinning between parallel regions: every region then waits
+on a wake-up, and the same step measured 1.6-1.7x slower (35 against 57-65 ms, one row, Intel
+Xeon, bf16; `benchmarks/loop_arms.py --pools`). So the loop's thread is the only one that runs
+torch while it lives: a scheduler made with `start=False` runs its calls and steps on the
+caller's thread (`drain`) until `start()` (the server calibrates on the thread that loaded the
+models, then starts the loop; the bench, one request at a time, never starts it), and other
+torch work beside a running loop goes to a thread that ends when it is done (`apart`: a draft
+reload's loading).
 """
 
 from __future__ import annotations
@@ -61,15 +72,37 @@ def background(fn: Callable[[], object], name: str) -> threading.Thread:
     return thread
 
 
+def apart(fn: Callable[[], object], name: str = "phoenix-apart") -> object:
+    """Run `fn` on a thread of its own and wait for it: its value, or its error raised here.
+    For torch work beside a running loop (module docstring): the thread's OpenMP pool goes
+    when the thread ends, where the caller's (a watcher, a request handler) would stay."""
+    box: list = [None, None]
+
+    def run() -> None:
+        try:
+            box[0] = fn()
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller
+            box[1] = exc
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join()
+    if box[1] is not None:
+        raise box[1]
+    return box[0]
+
+
 class Scheduler:
     def __init__(
         self,
         batch: RowBatch,
         name: str = "phoenix-steps",
         gate: Callable[[list[Row]], list[int]] | None = None,
+        start: bool = True,
     ):
         """`gate(rows)`: per row, the most tokens it may guess this step (`RowBatch.step`); called
-        from this thread once per step."""
+        from the loop's thread once per step. `start=False`: no thread until `start()`; until
+        then `call` and `drain` run on the caller's thread (module docstring)."""
         self.batch = batch
         self.gate = gate
         self.queue: queue.Queue[Job] = queue.Queue()
@@ -78,7 +111,17 @@ class Scheduler:
         self._stopping = False
         self._last_beat = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        if start:
+            self._thread.start()
+
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
+    def start(self) -> None:
+        """Start the loop's thread (once); from now on it alone runs the models."""
+        if not self.started:
+            self._thread.start()
 
     # -- callers' side --------------------------------------------------------------------------
     @property
@@ -103,8 +146,11 @@ class Scheduler:
         self._wake.set()
 
     def call(self, fn: Callable[[RowBatch], object], timeout: float | None = None) -> object:
-        """Run `fn(batch)` in the loop's thread between two steps; returns its value or raises
-        its error."""
+        """Run `fn(batch)` in the loop's thread between two steps (not started: here, now);
+        returns its value or raises its error."""
+        if not self.started:
+            with torch.inference_mode():
+                return fn(self.batch)
         done, box = threading.Event(), []
         self.calls.put((fn, done, box))
         self._wake.set()
@@ -124,7 +170,19 @@ class Scheduler:
         """End the loop after its current step; jobs still waiting hear `Cancelled`."""
         self._stopping = True
         self._wake.set()
-        self._thread.join(timeout)
+        if self.started:
+            self._thread.join(timeout)
+        else:
+            self._close()
+
+    def drain(self) -> None:
+        """Not started: run the loop on the caller's thread until every job submitted so far
+        has finished (the bench's one request at a time)."""
+        if self.started:
+            raise RuntimeError("drain: the loop runs on its own thread")
+        with torch.inference_mode():
+            while not self._stopping and (self.batch.rows or not self.queue.empty()):
+                self._once()
 
     # -- the loop -------------------------------------------------------------------------------
     def _beat(self) -> None:
@@ -139,11 +197,18 @@ class Scheduler:
                     self._wake.clear()
                     self._beat()
                     continue
-                self._drop_cancelled()
-                self._admit()
-                if self.batch.rows:
-                    self._step()
-                self._beat()
+                self._once()
+        self._close()
+
+    def _once(self) -> None:
+        """One turn of the loop with work in hand: drop the cancelled, admit, step."""
+        self._drop_cancelled()
+        self._admit()
+        if self.batch.rows:
+            self._step()
+        self._beat()
+
+    def _close(self) -> None:
         for row in self.batch.reset():
             self._done(row.key, error=Cancelled("the server is shutting down"))
         while not self.queue.empty():
