@@ -5,7 +5,7 @@
 
 Runs inside the same serving core as the server, with the bandit and Sentry on. Protocol:
 held-out prompts in split order, greedy, batch size 1, `bench.max_new_tokens`, warm-up
-requests excluded. Modes: target (no draft), fixed_K for K in `bench.fixed_arms`, bandit (fresh
+requests excluded; the modes take turns prompt by prompt (`interleave`). Modes: target (no draft), fixed_K for K in `bench.fixed_arms`, bandit (fresh
 state per run by default); drafts: base (before training) and distilled (<artifacts>/merged).
 Every speculative output must equal the target-only output, token for token (exit 4 if not).
 The sampled protocol (`bench.temperature` > 0): every request samples, seeded by its prompt, and
@@ -224,10 +224,11 @@ def measure_all(
     cfg: Config, ws: Workspace, telemetry, drafts, rows, target, ids, engines: dict,
     check: DistributionCheck | None = None,
 ) -> list[dict]:  # fmt: skip
-    """One record per (draft, mode, prompt): target-only first, then each draft's modes.
-    `engines[draft]` gets how each draft's engine ran (compiled, its head subset); `check`
-    (the sampled protocol) compares each measured arm's samples while its models are loaded."""
-    records: list[dict] = []
+    """One record per (draft, mode, prompt). Every run (target-only, each fixed arm, each
+    draft's own arms and its bandit) is built first, each draft loaded beside the shared
+    target, then they take turns prompt by prompt (`interleave`). `engines[draft]` gets how
+    each draft's engine ran (compiled, its head subset); `check` (the sampled protocol) then
+    compares each measured arm's samples, every draft's models still loaded."""
 
     def core_of(pair: models.Pair, draft: str | None, state=None, policy=None) -> ServingCore:
         mode = "bandit" if draft else "target"  # batch size 1: the protocol
@@ -236,15 +237,11 @@ def measure_all(
         return make_core(cfg, pair, mode, draft, state_file=state, max_batch=1, policy=policy,
                          start=False)  # fmt: skip
 
-    def measure(core: ServingCore, draft: str, mode_text: str, label: str | None = None):
-        records.extend(measure_mode(cfg, telemetry, core, draft, mode_text, ids, rows, label))
-
     plain = core_of(target, None)
-    measure(plain, "none", "target")
-    for arm in free_arms(cfg):
-        measure(plain, "none", fixed(arm).spec)
-    if check is not None:
-        check.compare("none", target.engine, free_arms(cfg))
+    cores = [plain]
+    runs = [(plain, "none", "target", None)]
+    runs += [(plain, "none", fixed(arm).spec, None) for arm in free_arms(cfg)]
+    compares = [("none", target.engine, free_arms(cfg))]
     for draft in drafts:
         pair = models.load_pair(cfg, ws, draft_spec(cfg, ws, draft), share_target=target)
         engines[draft] = {
@@ -254,59 +251,81 @@ def measure_all(
         }
         state = ws.bench / f"bandit-{draft}.json" if cfg.bench.bandit_state == "persist" else None
         core = core_of(pair, draft, state=state)
+        cores.append(core)
         # This draft's own arms: draft:K on a draft model, eagle:K on an EAGLE-3 head.
         own = [a for a in cfg.bench.fixed_arms if not usable(a, False, False)
                and usable(a, core.has_draft, core.has_head)]  # fmt: skip
-        for arm in own:
-            measure(core, draft, fixed(arm).spec)
-        measure(core, draft, "bandit")
-        if check is not None:
-            check.compare(draft, pair.engine, own)
+        runs += [(core, draft, fixed(arm).spec, None) for arm in own]
+        runs.append((core, draft, "bandit", None))
+        compares.append((draft, pair.engine, own))
         if cfg.bench.seed_bandit:
             seed = core_of(pair, draft, policy="seed")
-            measure(seed, draft, "bandit", "bandit_seed")
-            seed.close()
-        core.close()
-        del pair, core
-    plain.close()
+            cores.append(seed)
+            runs.append((seed, draft, "bandit", "bandit_seed"))
+    try:
+        records = interleave(cfg, telemetry, runs, ids, rows)
+        if check is not None:
+            for draft, engine, arms in compares:
+                check.compare(draft, engine, arms)
+    finally:
+        for core in cores:
+            core.close()
     return records
 
 
-def measure_mode(cfg, telemetry, core, draft, mode_text, ids, rows, label=None) -> list[dict]:
-    """Warm-up requests (excluded from every figure, never feeding the bandit), then every
-    prompt once; one record per prompt."""
+def interleave(cfg, telemetry, runs, ids, rows) -> list[dict]:
+    """Warm every run, then measure them prompt by prompt: each prompt goes to every run in
+    turn, the order reversed every other prompt, so the machine's drift falls on every mode
+    alike. (Run one after the other, the modes compared the machine's moments as much as the
+    modes: on these VMs the same plain work measured 0.88x and 1.25x of itself minutes apart,
+    and a bench read target-only 23.2 tok/s where the same requests read 26-29 run again
+    minutes later, Intel Xeon.) A bandit sees the prompts in order, as before. Returns the
+    records run by run, each in prompt order."""
+    modes = [warm_up(cfg, core, mode_text, ids) for core, _, mode_text, _ in runs]
+    out: list[list[dict]] = [[] for _ in runs]
+    order = list(range(len(runs)))
+    with tqdm(total=len(ids) * len(runs), desc="bench", unit="req", dynamic_ncols=True) as bar:
+        for i, p in enumerate(ids):
+            for j in order if i % 2 == 0 else order[::-1]:
+                core, draft, _, label = runs[j]
+                out[j].append(measure_one(cfg, telemetry, core, modes[j], draft, label, i, p, rows))
+                bar.update()
+    return [r for run in out for r in run]
+
+
+def warm_up(cfg, core: ServingCore, mode_text: str, ids):
+    """A run's mode, after its warm-up requests (excluded from every figure, never feeding the
+    bandit): every arm it can use (the bandit's through fixed modes, so its state is
+    untouched), so no cold start lands in a measured request."""
     arms = (
         core.bandit.arms
         if mode_text == "bandit"
         else list(dict.fromkeys(["0", *cfg.bandit.arms, *cfg.bench.fixed_arms]))
     )
     mode = parse_mode(mode_text, arms, core.has_draft, core.has_head)
-    # Warm-up: every arm this run can use (the bandit's through fixed modes, so its state is
-    # untouched), so no cold start lands in a measured request. Excluded from every figure.
     warm_modes = [fixed(a) for a in core.bandit.arms] if mode.kind == "bandit" else [mode]
     for w in range(cfg.bench.warmup_requests):
         for warm in warm_modes:
             core.generate(Request(ids[w % len(ids)], min(16, cfg.bench.max_new_tokens), warm,
                                   sampling=sampling_of(cfg, w)))  # fmt: skip
-    label = label or mode.name
-    out = []
-    for i, p in enumerate(tqdm(ids, desc=f"bench {draft}/{label}", unit="req", dynamic_ncols=True)):
-        with telemetry.request(mode, core.draft_id) as rec:
-            res = core.generate(
-                Request(p, cfg.bench.max_new_tokens, mode, sampling=sampling_of(cfg, i))
-            )
-            rec.record(res)
-        out.append(
-            {
-                **res.record(),
-                "draft": draft,  # the bench's name for it: base, distilled (none: no draft)
-                "mode": label,  # the row: target, fixed_4, ngram_4, bandit, bandit_seed
-                "prompt_index": i,
-                "task_id": rows[i]["task_id"],
-                "token_ids": res.result.token_ids,
-            }
+    return mode
+
+
+def measure_one(cfg, telemetry, core, mode, draft, label, i: int, prompt, rows) -> dict:
+    """Prompt `i` through one run: its record."""
+    with telemetry.request(mode, core.draft_id) as rec:
+        res = core.generate(
+            Request(prompt, cfg.bench.max_new_tokens, mode, sampling=sampling_of(cfg, i))
         )
-    return out
+        rec.record(res)
+    return {
+        **res.record(),
+        "draft": draft,  # the bench's name for it: base, distilled (none: no draft)
+        "mode": label or mode.name,  # the row: target, fixed_4, ngram_4, bandit, bandit_seed
+        "prompt_index": i,
+        "task_id": rows[i]["task_id"],
+        "token_ids": res.result.token_ids,
+    }
 
 
 def check_lossless(records, target, ids, margin: float) -> tuple[list[str], list[dict]]:

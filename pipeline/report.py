@@ -234,8 +234,8 @@ def markdown(results: dict) -> str:
         f"torch {env['torch']}, transformers {env['transformers']}. Date: {env['date']}.",
         f"Protocol: {results['protocol']['prompts']} held-out MBPP prompts, {_decoding(results)}, "
         f"batch size 1, max_new_tokens {results['protocol']['max_new_tokens']}, "
-        f"{results['protocol']['warmup_requests']} warm-up request(s) per run excluded. All "
-        "numbers are from one run on this machine.",
+        f"{results['protocol']['warmup_requests']} warm-up request(s) per run excluded, the "
+        "modes taking turns prompt by prompt. All numbers are from one run on this machine.",
         "",
     ]
     dist = results.get("distribution")

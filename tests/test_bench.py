@@ -389,7 +389,12 @@ def test_a_difference_is_a_near_tie_only_within_the_margin(
         assert f"Near-ties ({len(ties)}," in (art / "bench" / "report.md").read_text()
 
 
-def test_every_measured_mode_is_warmed_up_first(merged_ws, tmp_path, monkeypatch):
+def test_every_mode_is_warmed_up_first_then_the_modes_take_turns_prompt_by_prompt(
+    merged_ws, tmp_path, monkeypatch
+):
+    """Warm-ups (16 tokens) for every run before any measured request; then prompt 0 through
+    target, fixed_2 and the bandit, prompt 1 in the reverse order (drift falls on every mode
+    alike: `bench.interleave`)."""
     from pipeline import bench
     from pipeline.config import load_config
     from pipeline.speculative.batch import Row
@@ -409,11 +414,11 @@ def test_every_measured_mode_is_warmed_up_first(merged_ws, tmp_path, monkeypatch
     sets = ["bench.prompts=2", "bench.drafts=[base]", "bench.fixed_arms=[2]"]
     bench.run(load_config("configs/ci.yaml", sets), Workspace(art), NullTelemetry())
     warm, n = 16, 32  # warm-ups are 16 tokens; ci.yaml measures 32
-    assert calls[:3] == [(0, warm), (0, n), (0, n)]  # target
-    assert calls[3:6] == [(2, warm), (2, n), (2, n)]  # fixed_2
-    # Every bandit arm (0, draft:2, draft:4, ngram:2, ngram:4), then measured.
-    assert calls[6:11] == [(a, warm) for a in (0, 2, 4, 2, 4)]
-    assert all(t == n for _, t in calls[11:]) and len(calls) == 13
+    # target, fixed_2, then every bandit arm (0, draft:2, draft:4, ngram:2, ngram:4)
+    assert calls[:7] == [(0, warm), (2, warm)] + [(a, warm) for a in (0, 2, 4, 2, 4)]
+    assert calls[7:9] == [(0, n), (2, n)] and calls[9][1] == n  # prompt 0: target, fixed_2, bandit
+    assert calls[10][1] == n and calls[11:] == [(2, n), (0, n)]  # prompt 1: the other way
+    assert len(calls) == 13
 
 
 @pytest.mark.slow  # a script smoke run (7 s): make test-slow
