@@ -278,8 +278,9 @@ def interleave(cfg, telemetry, runs, ids, rows) -> list[dict]:
     turn, the order reversed every other prompt, so the machine's drift falls on every mode
     alike. (Run one after the other, the modes compared the machine's moments as much as the
     modes: on these VMs the same plain work measured 0.88x and 1.25x of itself minutes apart,
-    and a bench read target-only 23.2 tok/s where the same requests read 26-29 run again
-    minutes later, Intel Xeon.) A bandit sees the prompts in order, as before. Returns the
+    and a bench that ran them one after the other read target-only 23.2 tok/s and eagle_2
+    1.72x where, taking turns half an hour later, it read 29.85 and 1.42x: Intel Xeon,
+    docs/measurements.md.) A bandit sees the prompts in order, as before. Returns the
     records run by run, each in prompt order."""
     modes = [warm_up(cfg, core, mode_text, ids) for core, _, mode_text, _ in runs]
     out: list[list[dict]] = [[] for _ in runs]
