@@ -5,8 +5,9 @@
 
 Runs inside the same serving core as the server, with the bandit and Sentry on. Protocol:
 held-out prompts in split order, greedy, batch size 1, `bench.max_new_tokens`, warm-up
-requests excluded; the modes take turns prompt by prompt (`interleave`). Modes: target (no draft), fixed_K for K in `bench.fixed_arms`, bandit (fresh
-state per run by default); drafts: base (before training) and distilled (<artifacts>/merged).
+requests excluded; the modes take turns prompt by prompt (`interleave`). Modes: target (no
+draft), fixed_K for K in `bench.fixed_arms`, bandit (fresh state per run by default); drafts:
+base (before training) and distilled (<artifacts>/merged).
 Every speculative output must equal the target-only output, token for token (exit 4 if not).
 The sampled protocol (`bench.temperature` > 0): every request samples, seeded by its prompt, and
 the check is in distribution instead (`DistributionCheck`; exit 4 if it fails). Writes <artifacts>/bench/results.json, report.md and PNG plots.
