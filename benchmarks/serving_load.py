@@ -15,9 +15,9 @@ overrides to it, e.g. `engine.compile=false`) serves every mode: each request na
 fresh (the workspace's saved state is set aside and put back after). Phoenix, and then each vLLM
 arm (a vLLM server per arm, the same target and draft), is warmed at every concurrency c (c
 requests of 8 tokens, outside every figure; Phoenix's in target mode, so the bandit learns only
-from measured requests), then the same held-out prompts in the same order
-(`--requests`, at least 2 per client) go out as streamed chat requests (`--no-stream`: plain
-ones, as the openai client sends by default), c at a time, greedy,
+from measured requests), then the same held-out prompts in the same order (`--requests`, at
+least `--rounds` per client, so every point gets its rounds) go out as streamed chat requests
+(`--no-stream`: plain ones, as the openai client sends by default), c at a time, greedy,
 `--tokens` each, opted out of traffic capture. The modes of one concurrency are interleaved:
 the requests in `--rounds` slices (each at least c long), every mode serving a slice before the
 next, the order reversed every other round, so the machine's drift falls on each mode alike.
@@ -67,7 +67,8 @@ def sweep_modes(
             loadtest.sweep_point(ep, model, prompts[:c], c, 8, extra, stream=args.stream)
     points: dict[str, dict] = {label: {} for label in extras}
     for c in args.clients:
-        batch = [prompts[i % len(prompts)] for i in range(max(args.requests, 2 * c))]
+        n = requests_per_point(args.requests, args.rounds, c)
+        batch = [prompts[i % len(prompts)] for i in range(n)]
         got = loadtest.interleaved(ep, model, batch, c, args.tokens, extras, args.rounds,
                                    stream=args.stream)  # fmt: skip
         for label, p in got.items():
@@ -75,6 +76,13 @@ def sweep_modes(
             print(f"{label} c={c}: {p['tokens_per_second']:.2f} tok/s, p95 "
                   f"{p['p95_latency_s']:.2f} s, arms {p['arms']}", flush=True)  # fmt: skip
     return points
+
+
+def requests_per_point(requests: int, rounds: int, clients: int) -> int:
+    """`requests`, or more where that is fewer than `rounds` (at least 2) per client: a round
+    needs a request per client, and 16 clients at 32 requests got 2 rounds, whose interval
+    (0.5-2.1) told nothing."""
+    return max(requests, max(2, rounds) * clients)
 
 
 def sampled(args) -> dict:
@@ -267,7 +275,7 @@ def guessing(p: dict) -> str:
 def markdown(results: dict) -> str:
     env = results["environment"]
     out = [f"# Serving under load\n\n{header(env)}\n",
-           f"{results['requests']} requests per point (at least 2 per client), "
+           f"{results['requests']} requests per point (at least one per client a round), "
            f"{results['tokens']} tokens each, {'streamed' if results['stream'] else 'unstreamed'}, "
            + (f"sampled at temperature {results['temperature']}"
               if results.get("temperature") else "greedy") + "; "

@@ -257,7 +257,7 @@ def test_serving_load_sweeps_every_mode_and_names_the_bandits_arms(
         wait_http(s.url + "/health")
         argv = ["serving_load", "--config", "configs/ci.yaml", "--artifacts", str(art),
                 "--url", s.url, "--clients", "1", "3", "--requests", "6", "--tokens", "8",
-                "--modes", "target", "fixed:2", "bandit"]  # fmt: skip
+                "--rounds", "2", "--modes", "target", "fixed:2", "bandit"]  # fmt: skip
         monkeypatch.setattr(sys, "argv", argv)
         serving_load.main()
     out = json.loads((art / "perf" / "serving_load.json").read_text())
@@ -283,6 +283,15 @@ def test_serving_load_sweeps_every_mode_and_names_the_bandits_arms(
     ratios = serving_load.round_ratios(bandit, target)
     assert min(ratios) <= bandit["tokens_per_second"] / target["tokens_per_second"] <= max(ratios)
     assert f"rounds {min(ratios):.2f}-{max(ratios):.2f}x" in md
+
+
+def test_every_load_point_gets_its_rounds():
+    """A round needs a request per client: a point gets `--rounds` times its clients at least
+    (16 clients, 4 rounds: 64 requests, not 32), never fewer than `--requests`."""
+    from benchmarks.serving_load import requests_per_point
+
+    assert requests_per_point(32, 4, 16) == 64 and requests_per_point(32, 4, 4) == 32
+    assert requests_per_point(6, 1, 3) == 6 and requests_per_point(64, 8, 16) == 128
 
 
 def test_a_ratio_interval_over_rounds_is_students_t_on_the_log_ratios():
