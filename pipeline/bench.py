@@ -234,7 +234,7 @@ def measure_all(
     def core_of(pair: models.Pair, draft: str | None, state=None, policy=None) -> ServingCore:
         mode = "bandit" if draft else "target"  # batch size 1: the protocol
         # Not started: every step runs on this thread, the one that loaded the models (a loop
-        # thread beside it ran 1.6-1.7x slower: `serving.scheduler`).
+        # thread beside it ran 1.6-1.75x slower: `serving.scheduler`).
         return make_core(cfg, pair, mode, draft, state_file=state, max_batch=1, policy=policy,
                          start=False)  # fmt: skip
 

@@ -66,7 +66,7 @@ class DraftReloader:
         """The new draft beside the served target, warm before it serves. On a thread that
         ends with it (`scheduler.apart`): a watcher or a request handler that ran torch would
         keep an OpenMP pool beside the step loop's, and every step after the first reload
-        would run 1.6-1.7x slower (`serving.scheduler`)."""
+        would run 1.6-1.75x slower (`serving.scheduler`)."""
         pair = models.load_pair(
             self.cfg, self.ws, served.spec, share_target=current, head_dir=served.head
         )

@@ -357,7 +357,7 @@ def test_reload_endpoint_needs_the_key_and_keeps_an_unchanged_draft(tmp_path, mo
 
 def test_a_reload_loads_the_new_draft_on_a_thread_that_ends(tmp_path, monkeypatch):
     """A reload's loading runs apart (`scheduler.apart`): not on the request handler's thread,
-    which would keep an OpenMP pool beside the step loop's (every later step 1.6-1.7x slower on
+    which would keep an OpenMP pool beside the step loop's (every later step 1.6-1.75x slower on
     2 cores), but on a thread that is gone once the new draft serves."""
     from pipeline import drafts
     from pipeline import reload as reloading
