@@ -181,6 +181,43 @@ def test_a_loop_not_started_runs_on_the_callers_thread_until_started(engine):
     assert isinstance(done[-1].error, Cancelled)
 
 
+def test_requests_that_arrive_during_a_prefill_join_before_the_step(engine):
+    """A burst: the loop admits its first arrival, and while that prefill runs the rest
+    arrive. They join before the first step (a second admission, once a turn), so the first
+    row does not step alone while they wait; then the loop steps them together, and a job
+    arriving during that second prefill waits for the next turn. Outputs stay exact."""
+    tok, eng = engine
+    loop = Scheduler(RowBatch(eng, 4), start=False)
+    ids = [user_prompt_ids(tok, p) for p in PROMPTS[:4]]
+    done: list[Job] = []
+    jobs = [Job(i, 5, parse_arm(a), done.append) for i, a in zip(ids, ["0", "ngram:2", "0", "0"],
+                                                                  strict=True)]  # fmt: skip
+    join, step = loop.batch.join, loop.batch.step
+    events: list[tuple[str, int]] = []
+
+    def joining(items):
+        events.append(("join", len(items)))
+        rows = join(items)
+        if len(events) == 1:  # arriving during the first prefill
+            loop.submit(jobs[1])
+            loop.submit(jobs[2])
+        elif len(events) == 2:  # during the second: the next turn's
+            loop.submit(jobs[3])
+        return rows
+
+    def stepping(*a, **k):
+        events.append(("step", len(loop.batch.rows)))
+        return step(*a, **k)
+
+    loop.batch.join, loop.batch.step = joining, stepping
+    loop.submit(jobs[0])
+    loop.drain()
+    assert events[:4] == [("join", 1), ("join", 2), ("step", 3), ("join", 1)]
+    assert events[4] == ("step", 4)
+    for job, i in zip(jobs, ids, strict=True):
+        assert job.result.token_ids == reference(eng, i, 5).token_ids
+
+
 def test_apart_runs_on_a_thread_that_has_ended():
     """`apart`: torch work beside a running loop goes to a thread of its own that is gone when
     it returns (its OpenMP pool with it); its value comes back, its error is raised here."""
