@@ -1,6 +1,6 @@
 """The step loop in process (no server): 1 and 8 rows of one arm, the held-out prompts, 48 tokens.
 
-    .venv/bin/python -m benchmarks.loop_arms [--mixed | --grid | --profile | --slots | --pools | --catch-up | --kept ROWS]
+    .venv/bin/python -m benchmarks.loop_arms [--mixed | --grid | --profile | --compile-pass | --slots | --pools | --catch-up | --kept ROWS]
         [--arms 0 ngram:4 eagle:4] [--set k=v ...]
 
 Prints per arm and row count: steps, wall seconds, tokens/s, mean step, and the loop's measured
@@ -9,6 +9,12 @@ step-cost curve ((tokens fed, ms) per size bucket) that the goodput policy predi
 all eagle:2 held back by the gate, all eagle:2 guessing, all eagle:2 capped per step by the
 goodput policy's gate (with its predictions); tokens/s and the head's ms a step
 (`--temperature 0.7`: sampled).
+`--profile`: where a target pass's time goes (torch's profiler: the matmuls' share), the floor
+memory sets (the bytes of the weights a pass reads over the rate this machine reads memory at),
+and the pass with oneDNN's prepacked weights (what inductor's freezing would use).
+`--compile-pass`: the target's whole pass (every layer, cache writes and attention) as one
+compiled graph against eager, at 1x1, 1x3, 8x1 and 16x1 rows x tokens: compile seconds, pass
+milliseconds, greedy agreement (minutes: each shape compiles anew).
 `--slots`: one target pass of a token a row at 4, 8 and 16 rows (200 positions each), the rows'
 cache slots in order (read as a view) against permuted (copied out each layer), alternated.
 `--pools`: a target pass on this thread alone, beside another thread that once ran a parallel
@@ -172,6 +178,139 @@ def profile(pair) -> None:
         top = ", ".join(f"{k} {v:.1f}" for k, v in sorted(ms.items(), key=lambda x: -x[1])[:4])
         print(f"{n} token(s): pass {1000 * plain:.1f} ms unprofiled, matmuls {mm:.1f} ms "
               f"({mm / (1000 * plain):.0%}); top self times (ms): {top}", flush=True)  # fmt: skip
+    floor(model, cache, slot)
+
+
+def _pass_ms(model, cache, slot, n: int, repeat: int = 15) -> float:
+    """Median milliseconds of a pass of `n` tokens after the cache's 200 (cropped back)."""
+    from statistics import median
+
+    from pipeline.speculative.rows import target_scores
+
+    times = []
+    for _ in range(repeat + 2):
+        t0 = time.perf_counter()
+        target_scores(model, cache, [slot], [[7] * n])
+        times.append(time.perf_counter() - t0)
+        cache.crop(slot, 200)
+    return 1000 * median(times[2:])
+
+
+def floor(model, cache, slot) -> None:
+    """What no compiler can remove from a pass: every weight read once from memory. The bytes
+    of the weights a pass reads (each linear layer's, the output head's; the embedding table
+    only where the head is tied to it) over the rate this machine reads memory at (the
+    faster of a sum and a copy of a 512 MB buffer on these threads); against the pass as
+    run, and as run with oneDNN's prepacked weights (`mkldnn._linear_pointwise`, what
+    inductor's freezing substitutes for a bf16 linear; fp32: MKL's packed sgemm): it
+    spares each call the weight's reorder, which a cache-hot matmul pays for."""
+    from pipeline.speculative import runner
+
+    linears = [m.weight for m in model.modules() if type(m) is torch.nn.Linear]
+    head = model.get_output_embeddings().weight
+    read = sum(w.numel() * w.element_size() for w in {id(w): w for w in [*linears, head]}.values())
+    buf = torch.ones(512 * 2**20 // 4)
+    out = torch.empty_like(buf)
+    rates = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        buf.sum()
+        t1 = time.perf_counter()
+        out.copy_(buf)
+        t2 = time.perf_counter()
+        rates.append(max(buf.nbytes / (t1 - t0), 2 * buf.nbytes / (t2 - t1)))
+    rate = sorted(rates)[-2]  # the second best: one lucky run is not the machine
+    del buf, out
+    low = 1000 * read / rate
+    eager = {n: _pass_ms(model, cache, slot, n) for n in (1, 5, 16)}
+    print(f"weights read a pass: {read / 2**20:.0f} MiB; memory read at {rate / 1e9:.1f} GB/s: "
+          f"a pass cannot take less than {low:.1f} ms", flush=True)  # fmt: skip
+    run = getattr(model, "_phoenix_runner", None)
+    if run is None:
+        return
+    weights = [w for layer in run.layers for w in (layer[1], layer[5].weight, layer[7],
+                                                   layer[9].weight)]  # fmt: skip
+    weights.append(run.head.weight)
+    bf16 = model.dtype == torch.bfloat16
+    packed = {
+        w.data_ptr(): torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+        if bf16 else torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), 1)
+        for w in weights
+    }  # fmt: skip
+    inner = runner._linear
+
+    def linear(x, w, b, choice):
+        p = packed.get(w.data_ptr())
+        if p is None:
+            return inner(x, w, b, choice)
+        if bf16:
+            return torch.ops.mkldnn._linear_pointwise(x, p, b, "none", [], "")
+        return torch.ops.mkl._mkl_linear(x, p, w, b, x.shape[0])
+
+    runner._linear = linear
+    try:
+        prepacked = {n: _pass_ms(model, cache, slot, n) for n in eager}
+    finally:
+        runner._linear = inner
+    for n in eager:
+        print(f"{n} token(s): pass {eager[n]:.1f} ms ({eager[n] / low:.2f}x the floor), with "
+              f"prepacked weights {prepacked[n]:.1f} ms ({eager[n] / prepacked[n]:.2f}x faster)",
+              flush=True)  # fmt: skip
+
+
+def compile_pass(pair) -> None:
+    """The target's whole flattened pass (`LeanRunner.hidden`: every layer, the cache writes and
+    the attention) as one `torch.compile`d graph (dynamic shapes), against eager, at a few
+    (rows, tokens a row) shapes after a 200-token prefill: the seconds its first call took
+    (compiling, with an empty compile cache), the medians of 15 passes each way, and whether the greedy choices agree. What
+    `engine.compile` compiles today is each layer's dense parts apart (`LeanRunner.compile`),
+    which this CPU runs slower than eager; this measures the alternative. The caches are made
+    outside inference mode (a compiled graph cannot write into inference tensors)."""
+    import functools
+    import os
+    import tempfile
+    from statistics import median
+
+    from pipeline.speculative.rows import RowCache, _flat
+    from pipeline.speculative.runner import LeanRunner
+
+    model = pair.target
+    run = model._phoenix_runner
+    eager = functools.partial(LeanRunner.hidden.__wrapped__, run)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")  # cold: no reuse
+    compiled = torch.compile(eager, dynamic=True)
+
+    def greedy(fn, cache, slots, feeds) -> list[int]:
+        plan = cache.plan(slots, feeds)
+        hidden = fn(_flat(feeds, cache.device), cache, plan, (), [])
+        cache.advance(slots, [len(f) for f in feeds])
+        return run.logits(hidden).argmax(-1).tolist()
+
+    with torch.inference_mode(False):
+        cache = RowCache(model, 16, 512, capacity=512)
+    with torch.inference_mode():  # as the loop runs (the caches above are plain tensors)
+        for rows, n in ((1, 1), (1, 3), (8, 1), (16, 1)):
+            cache.used = 0
+            slots = [cache.alloc() for _ in range(rows)]
+            greedy(eager, cache, slots, [[5] * 200 for _ in slots])
+            feeds = [[7] * n for _ in slots]
+            t0 = time.perf_counter()
+            greedy(compiled, cache, slots, feeds)
+            first = time.perf_counter() - t0
+            ms, picks = {}, {}
+            for name, fn in (("eager", eager), ("compiled", compiled)):
+                times = []
+                for i in range(17):
+                    for s in slots:
+                        cache.crop(s, 200 + i % 5)
+                    t0 = time.perf_counter()
+                    picks[name] = greedy(fn, cache, slots, feeds)
+                    times.append(time.perf_counter() - t0)
+                ms[name] = 1000 * median(times[2:])
+            agree = sum(a == b for a, b in zip(picks["eager"], picks["compiled"], strict=True))
+            print(f"{rows} row(s) x {n} token(s): compiling {first:.0f} s; eager {ms['eager']:.1f} ms, "
+                  f"compiled {ms['compiled']:.1f} ms ({ms['eager'] / ms['compiled']:.2f}x); greedy "
+                  f"choices agree {agree}/{len(picks['eager'])}", flush=True)  # fmt: skip
 
 
 def slots(pair) -> None:
@@ -292,8 +431,17 @@ def main() -> None:
         action="store_true",
         help="step time against rows and tokens fed, the first of --arms guessing",
     )
-    ap.add_argument("--profile", action="store_true", help="a target pass's time in matmuls")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="a target pass's time in matmuls, its memory floor, prepacked weights",
+    )
     ap.add_argument("--slots", action="store_true", help="a pass with cache slots in order or not")
+    ap.add_argument(
+        "--compile-pass",
+        action="store_true",
+        help="the target's whole pass as one compiled graph, against eager",
+    )
     ap.add_argument("--pools", action="store_true", help="a step beside another thread's pool")
     ap.add_argument(
         "--catch-up",
@@ -338,6 +486,9 @@ def main() -> None:
         return
     if args.slots:
         slots(pair)
+        return
+    if args.compile_pass:
+        compile_pass(pair)
         return
     if args.pools:
         pools(pair)
