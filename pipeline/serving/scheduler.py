@@ -6,10 +6,11 @@ result, with `Cancelled` (cancelled before it joined), or with the error that fa
 two steps the loop runs the calls it was asked to (`call`: a draft swap), drops the rows whose
 caller cancelled (they finish with the output so far), and lets waiting jobs join up to the
 batch's room, in order; if more arrived during that prefill, they join too before the step (a
-burst of requests joins whole: its first arrivals do not step alone while the rest wait, which
-cost a burst of 8 an extra step, and their time to first token a step; once, so a stream of
-arrivals cannot hold the running rows back). A step that raises fails the rows in it (the error is handed to each)
-and the loop goes on with the jobs that come next; a prefill that raises fails its joiners only.
+burst of requests joins whole: its first arrival does not step alone while the rest wait, which
+cost a burst an extra step and the others' time to first token a step; once a turn, so a stream
+of arrivals cannot hold the running rows back). A step that raises fails the rows in it (the
+error is handed to each) and the loop goes on with the jobs that come next; a prefill that
+raises fails its joiners only.
 
 `stalled_s()` is how long the loop has had work without finishing a step (the server's /health
 turns 503 past `server.stuck_after_s`).
@@ -204,7 +205,8 @@ class Scheduler:
         self._close()
 
     def _once(self) -> None:
-        """One turn of the loop with work in hand: drop the cancelled, admit, step."""
+        """One turn of the loop with work in hand: drop the cancelled, admit (again for those
+        that arrived during that prefill), step."""
         self._drop_cancelled()
         if self._admit() and self.batch.room and not self.queue.empty():
             self._admit()  # those that arrived during that prefill: a burst joins whole
