@@ -14,7 +14,8 @@ memory sets (the bytes of the weights a pass reads over the rate this machine re
 and the pass with oneDNN's prepacked weights (what inductor's freezing would use).
 `--compile-pass`: the target's whole pass (every layer, cache writes and attention) as one
 compiled graph against eager, at 1x1, 1x3, 8x1 and 16x1 rows x tokens: compile seconds, pass
-milliseconds, greedy agreement (minutes: each shape compiles anew).
+milliseconds, greedy agreement (minutes: each shape compiles anew); then one graph for seven
+shapes with no size of 1 (at least 2 rows, each fed at least 2 tokens), compiled once.
 `--slots`: one target pass of a token a row at 4, 8 and 16 rows (200 positions each), the rows'
 cache slots in order (read as a view) against permuted (copied out each layer), alternated.
 `--pools`: a target pass on this thread alone, beside another thread that once ran a parallel
@@ -276,8 +277,12 @@ def compile_pass(pair) -> None:
     (compiling, with an empty compile cache), the medians of 14 passes each way (alternated),
     and whether the greedy choices agree. What `engine.compile` compiles today is each layer's
     dense parts apart (`LeanRunner.compile`), which this CPU runs slower than eager; this
-    measures the alternative. The caches are made
-    outside inference mode (a compiled graph cannot write into inference tensors)."""
+    measures the alternative. Then one graph for every shape: no dimension of size 1 (at least 2
+    rows, each fed at least 2 tokens, as a loop that pads its steps would), the matmul form
+    left to inductor, the mask contiguous: each shape's first call (compiling, or not) and its
+    pass against eager as the loop runs it. The caches are made outside inference mode (a
+    compiled graph cannot write into inference tensors)."""
+    import copy
     import functools
     import os
     import shutil
@@ -330,6 +335,43 @@ def compile_pass(pair) -> None:
             print(f"{rows} row(s) x {n} token(s): compiling {first:.0f} s; eager {ms['eager']:.1f} ms, "
                   f"compiled {ms['compiled']:.1f} ms ({ms['eager'] / ms['compiled']:.2f}x); greedy "
                   f"choices agree {agree}/{len(picks['eager'])}", flush=True)  # fmt: skip
+        # One graph for every shape: no size of 1 (at least 2 rows, each fed at least 2 tokens,
+        # as a loop would pad its steps), the matmul form left to inductor (a copy of the runner
+        # without `cpu.py`'s choice), the mask contiguous; ragged prompts. Against eager as the
+        # loop runs it (with the choice).
+        bare = copy.copy(run)
+        bare.choice = None
+        one = torch.compile(functools.partial(LeanRunner.hidden.__wrapped__, bare), dynamic=True)
+
+        def contiguous(fn):
+            def call(ids, cache, plan, taps, tapped):
+                plan.mask = plan.mask.contiguous()
+                return fn(ids, cache, plan, taps, tapped)
+
+            return call
+
+        padded = contiguous(one)
+        for rows, n in ((2, 2), (2, 3), (4, 2), (8, 2), (8, 5), (16, 2), (3, 4)):
+            cache.used = 0
+            slots = [cache.alloc() for _ in range(rows)]
+            greedy(eager, cache, slots, [[5] * (200 + r) for r in range(rows)])
+            feeds = [[7] * n for _ in slots]
+            t0 = time.perf_counter()
+            greedy(padded, cache, slots, feeds)
+            first = time.perf_counter() - t0
+            times = {"eager": [], "compiled": []}
+            for i in range(10):
+                order = ("eager", "compiled") if i % 2 == 0 else ("compiled", "eager")
+                for name in order:
+                    for r, s in enumerate(slots):
+                        cache.crop(s, 200 + r)
+                    t0 = time.perf_counter()
+                    greedy(eager if name == "eager" else padded, cache, slots, feeds)
+                    times[name].append(time.perf_counter() - t0)
+            ms = {k: 1000 * median(v[2:]) for k, v in times.items()}
+            print(f"one graph, {rows} rows x {n} tokens: first call {first:.0f} s; eager "
+                  f"{ms['eager']:.1f} ms, compiled {ms['compiled']:.1f} ms "
+                  f"({ms['eager'] / ms['compiled']:.2f}x)", flush=True)  # fmt: skip
     shutil.rmtree(scratch, ignore_errors=True)
 
 
