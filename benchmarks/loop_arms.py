@@ -180,33 +180,18 @@ def profile(pair) -> None:
         top = ", ".join(f"{k} {v:.1f}" for k, v in sorted(ms.items(), key=lambda x: -x[1])[:4])
         print(f"{n} token(s): pass {1000 * plain:.1f} ms unprofiled, matmuls {mm:.1f} ms "
               f"({mm / (1000 * plain):.0%}); top self times (ms): {top}", flush=True)  # fmt: skip
-    floor(model, cache, slot)
+    floor(model)
 
 
-def _pass_ms(model, cache, slot, n: int, repeat: int = 15) -> float:
-    """Median milliseconds of a pass of `n` tokens after the cache's 200 (cropped back)."""
-    from statistics import median
-
-    from pipeline.speculative.rows import target_scores
-
-    times = []
-    for _ in range(repeat + 2):
-        t0 = time.perf_counter()
-        target_scores(model, cache, [slot], [[7] * n])
-        times.append(time.perf_counter() - t0)
-        cache.crop(slot, 200)
-    return 1000 * median(times[2:])
-
-
-def floor(model, cache, slot) -> None:
+def floor(model) -> None:
     """What no compiler can remove from a pass: every weight read once from memory. The bytes
     of the weights a pass reads (each linear layer's, the output head's; the embedding table
     only where the head is tied to it) over the rate this machine reads memory at (the
     faster of a sum and a copy of a 512 MB buffer on these threads); against the pass as
     run, and as run with oneDNN's prepacked weights (`mkldnn._linear_pointwise`, what
     inductor's freezing substitutes for a bf16 linear; fp32: MKL's packed sgemm; packed for
-    the pass's token count): it spares each call the weight's reorder. Medians of the two
-    alternated, six times each."""
+    the pass's token count): it spares each call the weight's reorder. The pass timed by
+    `runner.step_ms` (after a 64-token prefill), the two alternated, six times each: medians."""
     from pipeline.speculative import runner
 
     linears = [m.weight for m in model.modules() if type(m) is torch.nn.Linear]
@@ -262,7 +247,7 @@ def floor(model, cache, slot) -> None:
             for name in ("eager", "prepacked") if i % 2 == 0 else ("prepacked", "eager"):
                 runner._linear = linear if name == "prepacked" else inner
                 try:
-                    times[name].append(_pass_ms(model, cache, slot, n, repeat=5))
+                    times[name].append(runner.step_ms(model, n, repeat=5))
                 finally:
                     runner._linear = inner
         e, p = (sorted(times[k])[len(times[k]) // 2] for k in ("eager", "prepacked"))

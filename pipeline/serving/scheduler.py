@@ -19,8 +19,8 @@ One thread runs the models. A thread that has run a parallel torch op keeps an O
 pool for the rest of its life, and with more pooled threads alive than cores (two pools on these
 2 cores) libgomp stops its workers spinning between parallel regions: every region then waits
 on a wake-up, and the same target pass measured 1.6-1.75x slower (one token: 39-41 against
-67-71 ms; Intel Xeon, bf16; `benchmarks/loop_arms.py --pools`). So the loop's thread is the only one that runs
-torch while it lives: a scheduler made with `start=False` runs its calls and steps on the
+67-71 ms; Intel Xeon, bf16; `benchmarks/loop_arms.py --pools`). So the loop's thread is the
+only one that runs torch while it lives: a scheduler made with `start=False` runs its calls and steps on the
 caller's thread (`drain`) until `start()` (the server calibrates on the thread that loaded the
 models, then starts the loop; the bench, one request at a time, never starts it), and other
 torch work beside a running loop goes to a thread that ends when it is done (`apart`: a draft
