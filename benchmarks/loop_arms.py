@@ -12,10 +12,9 @@ goodput policy's gate (with its predictions); tokens/s and the head's ms a step
 `--profile`: where a target pass's time goes (torch's profiler: the matmuls' share), the floor
 memory sets (the bytes of the weights a pass reads over the rate this machine reads memory at),
 and the pass with oneDNN's prepacked weights (what inductor's freezing would use).
-`--compile-pass`: the target's whole pass (every layer, cache writes and attention) as one
-compiled graph against eager, at 1x1, 1x3, 8x1 and 16x1 rows x tokens: compile seconds, pass
-milliseconds, greedy agreement (minutes: each shape compiles anew); then one graph for seven
-shapes with no size of 1 (at least 2 rows, each fed at least 2 tokens), compiled once.
+`--compile-pass`: the target's pass compiled as `engine.compile` compiles it (the whole pass, one
+graph; minutes) against eager, at 1 to 16 rows of 1 to 5 tokens: pass milliseconds, greedy
+agreement, and that the one warm graph took every shape.
 `--slots`: one target pass of a token a row at 4, 8 and 16 rows (200 positions each), the rows'
 cache slots in order (read as a view) against permuted (copied out each layer), alternated.
 `--pools`: a target pass on this thread alone, beside another thread that once ran a parallel
@@ -256,108 +255,59 @@ def floor(model) -> None:
 
 
 def compile_pass(pair) -> None:
-    """The target's whole flattened pass (`LeanRunner.hidden`: every layer, the cache writes and
-    the attention) as one `torch.compile`d graph (dynamic shapes), against eager, at a few
-    (rows, tokens a row) shapes after a 200-token prefill: the seconds its first call took
-    (compiling, with an empty compile cache), the medians of 14 passes each way (alternated),
-    and whether the greedy choices agree. What `engine.compile` compiles today is each layer's
-    dense parts apart (`LeanRunner.compile`), which this CPU runs slower than eager; this
-    measures the alternative. Then one graph for every shape: no dimension of size 1 (at least 2
-    rows, each fed at least 2 tokens, as a loop that pads its steps would), the matmul form
-    left to inductor, the mask contiguous: each shape's first call (compiling, or not) and its
-    pass against eager as the loop runs it. The caches are made outside inference mode (a
-    compiled graph cannot write into inference tensors)."""
-    import copy
-    import functools
-    import os
-    import shutil
-    import tempfile
+    """The target's pass compiled as the server compiles it (`LeanRunner.compile`: the whole pass
+    as one graph, inductor's frozen weights and its own CPU GEMMs, warmed at the loop's shapes,
+    `engine.compile`), against eager as the loop runs it, at a few (rows, tokens a row) shapes
+    after ragged 200-token prefills: the seconds compiling and warming took (torch's compile
+    caches as they are), then per shape the medians of 14 passes each way (alternated), the
+    greedy choices' agreement, and whether the graph took the pass (none compiles anew: a
+    shape the warm graph could not take would fail here, not run eager)."""
     from statistics import median
 
-    from pipeline.speculative.rows import RowCache, _flat
-    from pipeline.speculative.runner import LeanRunner
+    from pipeline.speculative.rows import RowCache, target_logits
+    from pipeline.speculative.runner import warm_up
 
     model = pair.target
     run = getattr(model, "_phoenix_runner", None)
     if run is None:
         print("--compile-pass: the target has no lean runner (not a Llama-family model)")
         return
-    eager = functools.partial(LeanRunner.hidden.__wrapped__, run)
-    scratch = tempfile.mkdtemp(prefix="inductor-")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = scratch  # cold: nothing compiled before is reused
-    compiled = torch.compile(eager, dynamic=True)
+    if not run.compiled:
+        t0 = time.perf_counter()
+        run.compile()
+        warm_up(model)
+        print(f"compiled and warm in {time.perf_counter() - t0:.0f} s", flush=True)
+    graph = run.graph
+    run.stance = "fail_on_recompile"
+    cache = RowCache(model, 16, 512, capacity=512)
 
-    def greedy(fn, cache, slots, feeds) -> list[int]:
-        plan = cache.plan(slots, feeds)
-        hidden = fn(_flat(feeds, cache.device), cache, plan, (), [])
-        cache.advance(slots, [len(f) for f in feeds])
-        return run.logits(hidden).argmax(-1).tolist()
+    def greedy(compiled: bool, slots, feeds) -> list[int]:
+        run.graph = graph if compiled else None
+        return target_logits(model, cache, slots, feeds).argmax(-1).tolist()
 
-    with torch.inference_mode(False):
-        cache = RowCache(model, 16, 512, capacity=512)
-    with torch.inference_mode():  # as the loop runs (the caches above are plain tensors)
-        for rows, n in ((1, 1), (1, 3), (8, 1), (16, 1)):
-            cache.used = 0
-            slots = [cache.alloc() for _ in range(rows)]
-            greedy(eager, cache, slots, [[5] * 200 for _ in slots])
-            feeds = [[7] * n for _ in slots]
-            t0 = time.perf_counter()
-            greedy(compiled, cache, slots, feeds)
-            first = time.perf_counter() - t0
-            times: dict[str, list[float]] = {"eager": [], "compiled": []}
-            picks = {}
-            for i in range(16):  # alternated, the order swapped every other pass
-                order = ("eager", "compiled") if i % 2 == 0 else ("compiled", "eager")
-                for name in order:
-                    for s in slots:
-                        cache.crop(s, 200 + i % 5)
-                    t0 = time.perf_counter()
-                    picks[name] = greedy(eager if name == "eager" else compiled, cache, slots,
-                                         feeds)  # fmt: skip
-                    times[name].append(time.perf_counter() - t0)
-            ms = {k: 1000 * median(v[2:]) for k, v in times.items()}
-            agree = sum(a == b for a, b in zip(picks["eager"], picks["compiled"], strict=True))
-            print(f"{rows} row(s) x {n} token(s): compiling {first:.0f} s; eager {ms['eager']:.1f} ms, "
-                  f"compiled {ms['compiled']:.1f} ms ({ms['eager'] / ms['compiled']:.2f}x); greedy "
-                  f"choices agree {agree}/{len(picks['eager'])}", flush=True)  # fmt: skip
-        # One graph for every shape: no size of 1 (at least 2 rows, each fed at least 2 tokens,
-        # as a loop would pad its steps), the matmul form left to inductor (a copy of the runner
-        # without `cpu.py`'s choice), the mask contiguous; ragged prompts. Against eager as the
-        # loop runs it (with the choice).
-        bare = copy.copy(run)
-        bare.choice = None
-        one = torch.compile(functools.partial(LeanRunner.hidden.__wrapped__, bare), dynamic=True)
-
-        def contiguous(fn):
-            def call(ids, cache, plan, taps, tapped):
-                plan.mask = plan.mask.contiguous()
-                return fn(ids, cache, plan, taps, tapped)
-
-            return call
-
-        padded = contiguous(one)
-        for rows, n in ((2, 2), (2, 3), (4, 2), (8, 2), (8, 5), (16, 2), (3, 4)):
-            cache.used = 0
-            slots = [cache.alloc() for _ in range(rows)]
-            greedy(eager, cache, slots, [[5] * (200 + r) for r in range(rows)])
-            feeds = [[7] * n for _ in slots]
-            t0 = time.perf_counter()
-            greedy(padded, cache, slots, feeds)
-            first = time.perf_counter() - t0
-            times = {"eager": [], "compiled": []}
-            for i in range(10):
-                order = ("eager", "compiled") if i % 2 == 0 else ("compiled", "eager")
-                for name in order:
-                    for r, s in enumerate(slots):
-                        cache.crop(s, 200 + r)
-                    t0 = time.perf_counter()
-                    greedy(eager if name == "eager" else padded, cache, slots, feeds)
-                    times[name].append(time.perf_counter() - t0)
-            ms = {k: 1000 * median(v[2:]) for k, v in times.items()}
-            print(f"one graph, {rows} rows x {n} tokens: first call {first:.0f} s; eager "
-                  f"{ms['eager']:.1f} ms, compiled {ms['compiled']:.1f} ms "
-                  f"({ms['eager'] / ms['compiled']:.2f}x)", flush=True)  # fmt: skip
-    shutil.rmtree(scratch, ignore_errors=True)
+    for rows, n in ((1, 1), (1, 3), (1, 5), (2, 1), (4, 1), (8, 1), (8, 3), (16, 1), (16, 3)):
+        cache.used = 0
+        slots = [cache.alloc() for _ in range(rows)]
+        greedy(False, slots, [[5] * (200 + r) for r in range(rows)])
+        feeds = [[7] * n for _ in slots]
+        times: dict[str, list[float]] = {"eager": [], "compiled": []}
+        picks, before = {}, run.graph_passes
+        for i in range(16):  # alternated, the order swapped every other pass
+            order = ("eager", "compiled") if i % 2 == 0 else ("compiled", "eager")
+            for name in order:
+                for r, s in enumerate(slots):
+                    cache.crop(s, 200 + r)
+                t0 = time.perf_counter()
+                picks[name] = greedy(name == "compiled", slots, feeds)
+                times[name].append(time.perf_counter() - t0)
+        took = run.graph_passes - before == 16
+        ms = {k: 1000 * median(v[2:]) for k, v in times.items()}
+        agree = sum(a == b for a, b in zip(picks["eager"], picks["compiled"], strict=True))
+        print(f"{rows} row(s) x {n} token(s): eager {ms['eager']:.1f} ms, compiled "
+              f"{ms['compiled']:.1f} ms ({ms['eager'] / ms['compiled']:.2f}x); greedy choices "
+              f"agree {agree}/{len(picks['eager'])}; the graph took every pass: {took}",
+              flush=True)  # fmt: skip
+    run.graph, run.stance = graph, "eager_on_recompile"
 
 
 def slots(pair) -> None:

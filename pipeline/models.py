@@ -685,16 +685,17 @@ def use_cpu_gqa() -> None:
 
 def compile_engine(cfg, ws, pair: Pair) -> bool:
     """Ready a pair's models for the step loop (their lean runners, `speculative.runner`) and,
-    per `engine.compile`, compile each layer's dense parts and warm every token-count bucket
-    the loop uses, logging progress, with torch's caches under <artifacts>/cache/compile (a
-    restart is warm). `auto` keeps the compiled steps only where a measurement here finds them
-    faster than eager (one-token and 5-token steps, before and after), and falls back to eager
+    per `engine.compile`, compile each one's whole pass as one graph (`LeanRunner.compile`) and
+    warm it at the shapes the loop makes, logging progress, with torch's caches under
+    <artifacts>/cache/compile (a restart is warm). `auto` keeps the compiled pass only where a
+    measurement here finds it faster than eager (one-token and 5-token steps), and falls back to eager
     with one warning when compiling fails; `true` keeps them and fails loudly. Returns whether
     the target runs compiled."""
     import os
     import time
 
-    from .speculative.runner import WARM_TOKENS, prepare, step_ms, warm_up
+    from . import INDUCTOR_CACHE
+    from .speculative.runner import prepare, step_ms, warm_up
 
     how = cfg.engine.compile
     models_ = [m for m in dict.fromkeys([pair.target, pair.draft]) if m is not None]
@@ -709,31 +710,34 @@ def compile_engine(cfg, ws, pair: Pair) -> bool:
             raise PhoenixError(msg)
         log.warning("%s: eager", msg)
         return False
-    if all(r.compiled for r in runners):  # a shared target, compiled already (a reload)
+    fresh = [m for m in models_ if m._phoenix_runner is not None and not m._phoenix_runner.compiled]
+    if not fresh:  # a shared target, compiled already (a reload)
         if pair.engine.head is not None and not pair.engine.head.compiled:
             compile_head(pair.engine.head, how, cfg.engine.backend)
         return True
     cache = ws.compile_cache
     cache.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = INDUCTOR_CACHE or str(cache / "inductor")
     target = pair.target
     probe = (1, 5)
-    eager = {n: step_ms(target, n) for n in probe} if how == "auto" else {}
+    measure = how == "auto" and target in fresh  # a new draft beside a compiled target follows it
+    eager = {n: step_ms(target, n) for n in probe} if measure else {}
     t0 = time.perf_counter()
-    log.info("engine: compiling the step loop's layers (%s); a first start takes minutes, later "
+    log.info("engine: compiling the step loop's pass (%s); a first start takes minutes, later "
              "ones reuse %s", pair.engine.device.type, cache)  # fmt: skip
 
-    def progress(n: int, i: int, total: int, secs: float) -> None:
-        log.info("engine: warmed %d token(s) [%d/%d] in %.1f s", n, i, total, secs)
+    def progress(label: str, i: int, total: int, secs: float) -> None:
+        log.info("engine: warmed %s [%d/%d] in %.1f s", label, i, total, secs)
 
+    head = pair.engine.head
+    taps = [(), tuple(head.config.aux_layer_ids)] if head is not None else [()]
     try:
-        for r in runners:
-            r.compile(backend=cfg.engine.backend)
-        for m in models_:
-            warm_up(m, WARM_TOKENS, progress)
+        for m in fresh:
+            m._phoenix_runner.compile(backend=cfg.engine.backend)
+            warm_up(m, taps if m is target else [()], progress)
     except Exception as exc:  # noqa: BLE001 - any compile failure means eager under auto
-        for r in runners:
-            r.uncompile()
+        for m in fresh:
+            m._phoenix_runner.uncompile()
         first_line = (str(exc).strip().splitlines() or [""])[0]
         reason = f"{type(exc).__name__}: {first_line}"
         if how == "true":
@@ -741,16 +745,16 @@ def compile_engine(cfg, ws, pair: Pair) -> bool:
         log.warning("engine.compile=auto: running eager, compiling failed: %s", reason)
         return False
     log.info("engine: compiled and warm in %.1f s", time.perf_counter() - t0)
-    if how == "auto":
+    if measure:
         compiled = {n: step_ms(target, n) for n in probe}
         figures = ", ".join(f"{n} token(s) {compiled[n]:.1f} vs {eager[n]:.1f} ms" for n in probe)
         if sum(compiled.values()) >= sum(eager.values()):
-            for r in runners:
-                r.uncompile()
-            log.warning("engine.compile=auto: compiled steps measured slower than eager on this "
-                        "machine (%s, compiled vs eager): running eager", figures)  # fmt: skip
+            for m in fresh:
+                m._phoenix_runner.uncompile()
+            log.warning("engine.compile=auto: the compiled pass measured slower than eager on "
+                        "this machine (%s, compiled vs eager): running eager", figures)  # fmt: skip
             return False
-        log.info("engine.compile=auto: compiled steps kept (%s, compiled vs eager)", figures)
+        log.info("engine.compile=auto: the compiled pass kept (%s, compiled vs eager)", figures)
     if pair.engine.head is not None:
         compile_head(pair.engine.head, how, cfg.engine.backend)
     return True

@@ -3,11 +3,13 @@ serving, clear failures. Compilation here uses torch.compile's eager backend (dy
 graphs and guards exactly as with inductor, without generating code); `-m slow` runs inductor."""
 
 import json
+import os
 
 import pytest
 import requests
 import torch
 
+import pipeline
 from pipeline import models
 from pipeline.config import load_config
 from pipeline.server import create_app
@@ -204,6 +206,10 @@ def test_the_compiled_loop_serves_every_arm_exactly_with_nothing_left_to_compile
     pair.engine.head = eagle3.new_head(pair.target, vocab, None).eval()
     assert models.compile_engine(cfg, ws, pair) is True
     assert pair.engine.head.compiled
+    # torch's compile cache under the workspace (importing torch had set its /tmp default)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == (
+        pipeline.INDUCTOR_CACHE or str(ws.compile_cache / "inductor")
+    )
     tok, eng = pair.tokenizer, pair.engine
     refs = {t: eng.generate(ids_for(tok, t), 0, 20).token_ids for t in PROMPTS}
     arms = ("0", "draft:2", "draft:4", "ngram:4", "eagle:1", "eagle:3")
@@ -214,6 +220,10 @@ def test_the_compiled_loop_serves_every_arm_exactly_with_nothing_left_to_compile
         results.append(job)
         done.release()
 
+    runners = [m._phoenix_runner for m in (pair.target, pair.draft)]
+    for r in runners:  # a pass the warm graph cannot take fails the request (serving: eager)
+        r.stance = "fail_on_recompile"
+    passes = [r.graph_passes for r in runners]
     graphs = dict(torch._dynamo.utils.counters["stats"])  # (counted: the patch is per thread)
     with torch._dynamo.config.patch(error_on_recompile=True):
         jobs = [Job(ids_for(tok, t), 20, parse_arm(a), finished, epoch=0) for t in PROMPTS
@@ -228,7 +238,94 @@ def test_the_compiled_loop_serves_every_arm_exactly_with_nothing_left_to_compile
         assert j.result.token_ids == refs[texts[id(j)]], j.arm
     assert all(j.result.proposed for j in results if j.arm.strategy == "eagle")  # the head drafted
     assert dict(torch._dynamo.utils.counters["stats"]) == graphs  # nothing compiled in a request
+    # every step's target pass (and the draft's, drafting every row) went through the graph
+    assert runners[0].graph_passes - passes[0] >= loop.batch.steps > 0
+    assert runners[1].graph_passes > passes[1]
     loop.stop()
+
+
+def test_the_compiled_pass_takes_every_pass_over_all_rows_padded_and_changes_nothing(
+    tiny_models,
+):
+    """One compiled graph takes a pass over every row in slot order; where it has one row or
+    one token a row, the spare slot joins it with two tokens (no size of 1: no new graph). A
+    pass over some of the rows runs eager. The scores and the real rows' caches equal eager's,
+    the cache grows under the graph, and the spare row is never advanced."""
+    from pipeline.speculative.rows import RowCache, target_logits
+    from pipeline.speculative.runner import prepare, warm_up
+
+    _, target, _ = tiny_models
+    prepare(target, 64)
+    run = target._phoenix_runner
+
+    def passes(cache):
+        a = cache.alloc()
+        out = [target_logits(target, cache, [a], [[5, 6, 7, 8]])]  # one row: padded
+        out.append(target_logits(target, cache, [a], [[9]]))  # one row, one token: padded
+        b = cache.alloc()
+        out.append(target_logits(target, cache, [b], [[3, 4]]))  # some of the rows: eager
+        out.append(target_logits(target, cache, [a, b], [[1], [2]]))  # one token a row: padded
+        out.append(target_logits(target, cache, [a, b], [[1, 2, 3], [4]]))  # as it is
+        kept = [k[s, :, : cache.lengths[s]].clone() for k in cache.keys for s in (a, b)]
+        return out, kept, list(cache.lengths)
+
+    eager = passes(RowCache(target, 2, 64, capacity=4))
+    try:
+        run.compile(backend="eager")  # dynamo's graphs and guards, no codegen
+        warm_up(target)
+        run.stance = "fail_on_recompile"
+        before = run.graph_passes
+        cache = RowCache(target, 2, 64, capacity=4)
+        compiled = passes(cache)
+        assert run.graph_passes - before == 4
+    finally:
+        run.uncompile()
+        run.stance = "eager_on_recompile"
+    for got, want in zip(compiled[0], eager[0], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for got, want in zip(compiled[1], eager[1], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert compiled[2] == eager[2] == [9, 4, 0]  # the spare slot's length stays 0
+    assert cache.capacity > 4 and cache.keys[0].shape[0] == 3  # grew; two rows and the spare
+
+
+@pytest.mark.slow
+def test_the_inductor_compiled_pass_serves_the_loop_exactly_from_one_graph(tiny_models):
+    """`LeanRunner.compile` with inductor (frozen weights, max-autotune GEMMs on a CPU): rows of
+    plain and n-gram arms joining and leaving give target-only greedy output, every step
+    through the one warm graph (a pass it could not take would fail here)."""
+    import threading
+
+    from pipeline.serving.scheduler import Job, Scheduler
+    from pipeline.speculative.arms import parse_arm
+    from pipeline.speculative.batch import RowBatch
+    from pipeline.speculative.runner import warm_up
+
+    tok, target, _ = tiny_models
+    eng = SpeculativeEngine(target, None, [tok.eos_token_id])
+    refs = {t: eng.generate(ids_for(tok, t), 0, 20).token_ids for t in PROMPTS}
+    batch = RowBatch(eng, 3)
+    batch._caches()  # the runner for the loop's context (`prepare`)
+    run = target._phoenix_runner
+    try:
+        run.compile()
+        warm_up(target)
+        run.stance, before = "fail_on_recompile", run.graph_passes
+        loop, done = Scheduler(batch), threading.Semaphore(0)
+        jobs = [Job(ids_for(tok, t), 20, parse_arm(a), lambda job: done.release(), epoch=0)
+                for t in PROMPTS for a in ("0", "ngram:3")]  # fmt: skip
+        for j in jobs:
+            loop.submit(j)
+        for _ in jobs:
+            assert done.acquire(timeout=300)
+        loop.stop()
+    finally:
+        run.uncompile()
+        run.stance = "eager_on_recompile"
+    texts = [t for t in PROMPTS for _ in range(2)]
+    for j, t in zip(jobs, texts, strict=True):
+        assert j.error is None and j.result.token_ids == refs[t], j.arm
+    assert run.graph_passes - before >= loop.batch.steps > 0
 
 
 @pytest.mark.slow

@@ -22,8 +22,9 @@ each row over its own prefix (a mask lets feed token j of row b see columns `<= 
 with grouped-query heads folded into the query length so keys and values are never copied per
 head. A model run without a plan (`engine.generate`, training) attends with SDPA as before.
 
-Memory: `2 x layers x rows x kv_heads x capacity x head_dim` numbers per model. Capacity grows
-by doubling (a copy) up to the engine's context limit; on the embedded default (SmolLM2-135M:
+Memory: `2 x layers x (rows + 1) x kv_heads x capacity x head_dim` numbers per model (the one
+spare row pads a compiled pass: `RowCache.padded`). Capacity grows by doubling (a copy) up to
+one column past the engine's context limit; on the embedded default (SmolLM2-135M:
 30 layers, 3 kv heads of 64, fp32) a position costs 46 KB per row, so 16 rows at 512 positions
 hold 377 MB, the 6-layer draft a fifth of that (bf16: half). Attention reads each row's columns
 up to the longest row of the step (`width`), not the whole capacity.
@@ -111,8 +112,8 @@ class RowCache(Cache):
         self.capacity = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self._grow(min(capacity, self.limit))
-        self.lengths = [0] * rows  # valid positions per slot
+        self._grow(capacity)
+        self.lengths = [0] * (rows + 1)  # valid positions per slot (and the spare's: `padded`)
         self.used = 0  # slots 0..used-1 hold rows
         self._plan: Plan | None = None  # bound for one forward
 
@@ -143,16 +144,21 @@ class RowCache(Cache):
         """Keep the first `length` positions of a row (a rejected guess only shortens it)."""
         self.lengths[slot] = min(self.lengths[slot], length)
 
+    @torch.inference_mode(False)  # plain tensors: a compiled pass writes them (`padded`)
     def _grow(self, capacity: int) -> None:
-        capacity = min(max(capacity, self.capacity), self.limit)
+        # One column past the limit: a step's width (at most the limit) never fills the cache,
+        # so its keys are always a strided slice (a compiled pass guards on which).
+        capacity = min(max(capacity, self.capacity), self.limit + 1)
         if capacity <= self.capacity:
             return
-        shape = (self.rows, self.kv_heads, capacity, self.head_dim)
+        shape = (self.rows + 1, self.kv_heads, capacity, self.head_dim)  # + the spare row
 
         def bigger(old: torch.Tensor | None) -> torch.Tensor:
             t = torch.zeros(shape, dtype=self.dtype, device=self.device)
             if old is not None:
                 t[:, :, : old.shape[2]] = old
+            torch._dynamo.mark_dynamic(t, 0)  # a compiled pass: one graph for every cache's
+            torch._dynamo.mark_dynamic(t, 2)  # rows and capacity (it grows)
             return t
 
         old_k = self.keys or [None] * self.n_layers
@@ -171,8 +177,8 @@ class RowCache(Cache):
         width = max(s + n for s, n in zip(starts, sizes, strict=True))
         if width > self.limit:
             raise ValueError(f"a row would pass the cache's {self.limit} positions")
-        if width > self.capacity:
-            self._grow(max(width, 2 * self.capacity))
+        if width >= self.capacity:
+            self._grow(max(width + 1, 2 * self.capacity))
         token_row = torch.repeat_interleave(torch.arange(len(slots)), torch.tensor(sizes))
         offset = torch.cat([torch.arange(n) for n in sizes])
         positions = torch.tensor(starts)[token_row] + offset
@@ -195,6 +201,20 @@ class RowCache(Cache):
             view=(first, len(slots)) if contiguous else None,
         )
         return self._plan
+
+    def padded(self, slots: Sequence[int], feeds: Sequence[Sequence[int]]):
+        """The rows and feeds of a pass the compiled pass (`runner._Pass`) can take, or None.
+        It takes a pass over every row in slot order; torch specialises its graphs on sizes of
+        1, so where such a pass has one row or feeds one token a row, the spare slot (the first
+        free one: the rows stay a plain view) joins it with two tokens of its own at positions
+        0 and 1. It is free, so they overwrite nothing; its length stays 0 (the caller advances
+        only the rows it fed). One graph then serves every step, with no recompile."""
+        if list(slots) != list(range(self.used)):
+            return None
+        if len(slots) >= 2 and max(len(f) for f in feeds) >= 2:
+            return list(slots), list(feeds)
+        self.lengths[self.used] = 0
+        return [*slots, self.used], [*feeds, [0, 0]]
 
     def advance(self, slots: Sequence[int], fed: Sequence[int]) -> None:
         """After the forward: each row now holds its fed tokens."""
@@ -236,12 +256,17 @@ def _hidden(model, cache: RowCache, slots, feeds, taps: Sequence[int] = ()):
     [T, hidden], through the model's lean runner (`runner.py`) when it has one, else through
     transformers' forward with `rows_attention`. The cache advances. With `taps` (layer ids):
     also those layers' inputs, concatenated [T, len(taps) * hidden] (an EAGLE-3 head's)."""
-    plan = cache.plan(slots, feeds)
-    ids = _flat(feeds, cache.device)
     runner = getattr(model, "_phoenix_runner", None)
+    real, graph = sum(len(f) for f in feeds), None
+    if runner is not None and runner.compiled:
+        graph = cache.padded(slots, feeds)
+    plan = cache.plan(*(graph or (slots, feeds)))
+    ids = _flat(graph[1] if graph else feeds, cache.device)
     tapped: list[torch.Tensor] = []
     if runner is not None:
-        hidden = runner.hidden(ids, cache, plan, taps, tapped)
+        hidden = runner.hidden(ids, cache, plan, taps, tapped, graph=graph is not None)
+        if graph is not None:  # the spare row's tokens, last, dropped
+            hidden, tapped = hidden[:real], [t[:real] for t in tapped]
     else:
         out = model.base_model(
             input_ids=ids[None],

@@ -12,10 +12,23 @@ this CPU was measured to run faster at that many rows (`cpu.py`), when the loade
 
 `LeanRunner.supports(model)` says whether a model fits; the others run through transformers'
 own forward with `rows.rows_attention` (the same caches, the same plan, the same output).
+
+Compiled (`engine.compile`, `LeanRunner.compile`): the whole pass, every layer with its cache
+writes and attention, is one `torch.compile` graph (`_Pass`), dynamic in every size, so one
+graph serves every step of the loop: torch specialises a graph on sizes of 1, so a pass with
+one row or one token a row is padded by the cache's spare row (`RowCache.padded`), and a
+cache's rows and capacity are marked dynamic. Only passes over every row in slot order take the
+graph (every step does; a joiner's prefill over some of the rows runs eager), and once warm a
+shape the graph cannot take runs eager rather than compile in a request (`stance`). On a CPU
+inductor freezes the weights and times its own GEMM kernels against ATen's (max-autotune): on
+the Intel Xeon with AMX that ran the pass 1.35-1.65x faster than eager, the server's
+target-only tokens/s 1.4-1.5x (docs/measurements.md, 2026-12-07), after about two minutes of
+compiling per graph (one, and one more with an EAGLE-3 head's taps).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 
@@ -23,6 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from .rows import ATTENTION, Plan, RowCache, attend
+
+log = logging.getLogger(__name__)
 
 FAMILY = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -78,6 +93,58 @@ def _post(x, out, o, n2, gu, gu_b, down, eps: float, choice):
     h = F.rms_norm(x, (x.shape[-1],), n2, eps)
     g, u = _linear(h, gu, gu_b, choice).chunk(2, -1)
     return x + _linear(F.silu(g) * u, down.weight, down.bias, choice)
+
+
+def _forward(embed_tokens, layers, norm, cos_t, sin_t, eps, shape, choice, ids, cache, plan,
+             taps, tapped):  # fmt: skip
+    """The pass itself (`LeanRunner.hidden`), over the weights it is given: the runner's own
+    (eager) or a `_Pass`'s parameters (compiled)."""
+    x = embed_tokens(ids)  # [T, hidden]
+    cos = cos_t[plan.positions][:, None]  # [T, 1, head_dim]
+    sin = sin_t[plan.positions][:, None]
+    scale = shape[2] ** -0.5
+    for i, (n1, qkv, qkv_b, qn, kn, o, n2, gu, gu_b, down) in enumerate(layers):
+        tapped.extend([x] * taps.count(i))  # ascending layers: the taps sorted
+        q, k, v = _pre(x, n1, qkv, qkv_b, qn, kn, cos, sin, eps, shape, choice)
+        keys, values = cache.write(i, k, v)
+        out = attend(q, keys, values, plan, scale)  # [T, heads, head_dim]
+        x = _post(x, out, o, n2, gu, gu_b, down, eps, choice)
+    return F.rms_norm(x, (x.shape[-1],), norm, eps)
+
+
+class _Pass(torch.nn.Module):
+    """A runner's pass as one module whose parameters are the runner's weights (shared, not
+    copied), so that `torch.compile` sees them as weights: on a CPU, inductor's freezing folds
+    them into the graph as constants, and max-autotune times its own CPU GEMM kernels (AMX or
+    AVX-512 micro-kernels) against ATen's for each matmul and keeps the faster. Measured on the
+    Intel Xeon (AMX), a chain of the embedded target's matmuls at 2-40 rows ran about twice as
+    fast that way as the best eager form (docs/measurements.md). The matmul form `cpu.py`
+    chooses is left out (inductor chooses), and the head stays outside (eager)."""
+
+    def __init__(self, run: LeanRunner):
+        super().__init__()
+        self.embed_tokens = run.embed_tokens
+        self.blocks = torch.nn.ModuleList()
+        for layer in run.layers:
+            block = torch.nn.Module()
+            for name, t in zip(_LAYER, layer, strict=True):
+                if isinstance(t, torch.nn.Module):
+                    block.add_module(name, t)
+                elif t is not None:
+                    block.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+            self.blocks.append(block)
+        self.norm = torch.nn.Parameter(run.norm, requires_grad=False)
+        self.register_buffer("cos", run.cos, persistent=False)
+        self.register_buffer("sin", run.sin, persistent=False)
+        self.eps, self.shape = run.eps, run.shape
+
+    def forward(self, ids, cache, plan, taps, tapped):
+        layers = [tuple(getattr(b, n, None) for n in _LAYER) for b in self.blocks]
+        return _forward(self.embed_tokens, layers, self.norm, self.cos, self.sin, self.eps,
+                        self.shape, None, ids, cache, plan, taps, tapped)  # fmt: skip
+
+
+_LAYER = ("n1", "qkv", "qkv_b", "qn", "kn", "o", "n2", "gu", "gu_b", "down")
 
 
 class LeanRunner:
@@ -138,49 +205,57 @@ class LeanRunner:
         dtype = self.embed.dtype
         self.cos = (emb.cos() * rot.attention_scaling).to(dtype)  # [limit, head_dim]
         self.sin = (emb.sin() * rot.attention_scaling).to(dtype)
-        self._pre, self._post = _pre, _post
+        self.shape = (self.heads, self.kv_heads, self.head_dim)
+        self.graph: torch.nn.Module | None = None  # the compiled pass (`compile`)
+        # What the compiled pass does with a shape it was not warmed for: run it eager. Tests
+        # set "fail_on_recompile": a step the loop makes that the warm graph cannot take fails.
+        self.stance = "eager_on_recompile"
+        self.graph_passes = 0  # passes given to the compiled pass (tests count them)
+        self.options: dict = {}  # inductor's settings while it compiles (`warm_up`)
 
     @property
     def compiled(self) -> bool:
-        return self._pre is not _pre
+        return self.graph is not None
 
-    def compile(self, backend: str = "inductor", mode: str | None = None) -> None:
-        """Run each layer's dense parts (norms, matmuls, rotary, MLP) through `torch.compile`,
-        dynamic in the number of tokens; the cache write and the attention stay eager between
-        them (as vLLM's piecewise graphs leave attention out)."""
-        self._pre = torch.compile(_pre, dynamic=True, backend=backend, mode=mode)
-        self._post = torch.compile(_post, dynamic=True, backend=backend, mode=mode)
+    def compile(self, backend: str = "inductor") -> None:
+        """Compile the whole pass (every layer, the cache writes, the attention) as one graph,
+        dynamic in every size: `_Pass` (its docstring says what inductor does with it here).
+        `rows._hidden` feeds it the steps it can take (`RowCache.padded`); every other pass
+        runs eager, as does any shape that would compile anew once the runner is warm
+        (`stance`)."""
+        self.options = {}
+        if backend == "inductor" and self.embed.device.type == "cpu":
+            self.options = {"freezing": True, "max_autotune": True,
+                            "max_autotune_gemm_backends": "CPP,ATEN"}  # fmt: skip
+        self.graph = torch.compile(_Pass(self), dynamic=True, backend=backend)
 
     def uncompile(self) -> None:
-        self._pre, self._post = _pre, _post
+        self.graph = None
 
     @torch.inference_mode()
     def hidden(
         self, ids: torch.Tensor, cache: RowCache, plan: Plan, taps: Sequence[int] = (),
-        tapped: list | None = None,
+        tapped: list | None = None, graph: bool = False,
     ) -> torch.Tensor:  # fmt: skip
         """The final normed hidden states of the fed tokens, [T, hidden]; the cache gets their
         keys and values (the caller advances its lengths). `taps`: layers whose input (the
         residual stream, transformers' `hidden_states[i]`) is appended to `tapped`, in order
-        (an EAGLE-3 head reads them)."""
-        choice, eps, shape = self.choice, self.eps, (self.heads, self.kv_heads, self.head_dim)
-        x = self.embed_tokens(ids)  # [T, hidden]
-        cos = self.cos[plan.positions][:, None]  # [T, 1, head_dim]
-        sin = self.sin[plan.positions][:, None]
-        scale = self.head_dim**-0.5
-        for i, (n1, qkv, qkv_b, qn, kn, o, n2, gu, gu_b, down) in enumerate(self.layers):
-            tapped.extend([x] * taps.count(i))  # ascending layers: the taps sorted
-            q, k, v = self._pre(x, n1, qkv, qkv_b, qn, kn, cos, sin, eps, shape, choice)
-            keys, values = cache.write(i, k, v)
-            out = attend(q, keys, values, plan, scale)  # [T, heads, head_dim]
-            x = self._post(x, out, o, n2, gu, gu_b, down, eps, choice)
-        return F.rms_norm(x, (x.shape[-1],), self.norm, eps)
+        (an EAGLE-3 head reads them). `graph`: through the compiled pass (the plan padded so
+        that no size is 1: `RowCache.padded`)."""
+        if graph and self.graph is not None:
+            self.graph_passes += 1
+            with torch.compiler.set_stance(self.stance):
+                return self.graph(ids, cache, plan, tuple(taps), tapped)
+        return _forward(self.embed_tokens, self.layers, self.norm, self.cos, self.sin, self.eps,
+                        self.shape, self.choice, ids, cache, plan, taps, tapped)  # fmt: skip
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return _linear(hidden, self.head.weight, self.head.bias, self.choice)
 
 
-WARM_TOKENS = (1, 2, 3, 5, 9, 17, 33)  # every side of the matmul-form buckets (`cpu.BUCKETS`)
+# (rows, tokens a row) the compiled pass is run at before serving: a plain step (padded), a
+# verify, a batch of plain steps (padded), a prefill, a batch of verifies.
+WARM = ((1, 1), (2, 3), (3, 1), (1, 40), (3, 5))
 
 
 @torch.inference_mode()
@@ -204,17 +279,41 @@ def step_ms(model, tokens: int, repeat: int = 5) -> float:
     return 1000 * sorted(times[1:])[repeat // 2]
 
 
-def warm_up(model, tokens=WARM_TOKENS, on_shape=None) -> None:
-    """Run a forward of each token count once (a compiled runner compiles what it needs now,
-    not in a request). `on_shape(tokens, i, n, seconds)` reports each."""
+@torch.inference_mode()
+def warm_up(model, taps: Sequence[Sequence[int]] = ((),), on_shape=None) -> None:
+    """Run a compiled runner's pass at each of `WARM`'s shapes, with each set of `taps` (an
+    EAGLE-3 head's layers), in a scratch cache: it compiles now, not in a request (the first
+    shape compiles; the others should find the same graph). `on_shape(label, i, n, seconds)`
+    reports each. An eager runner (or none): nothing to do."""
+
     runner = getattr(model, "_phoenix_runner", None)
-    limit = runner.cos.shape[0] if runner is not None else 4096
-    tokens = [n for n in tokens if n < limit]  # a step longer than the context never runs
-    for i, n in enumerate(tokens, 1):
+    if runner is None or not runner.compiled:
+        return
+    limit = runner.cos.shape[0]
+    shapes = [(r, n, t) for t in taps for r, n in WARM if 8 + n < limit]
+    cache = RowCache(model, max(r for r, _, _ in shapes), min(limit, 64))
+    stance, runner.stance = runner.stance, "default"  # compiling allowed (serving: not)
+    # Inductor's settings must hold while dynamo traces too (freezing decides how it sees the
+    # weights), so they are set around the calls that compile, not passed to torch.compile.
+    try:
+        with torch._inductor.config.patch(runner.options):
+            _warm(model, cache, shapes, on_shape)
+    finally:
+        runner.stance = stance
+
+
+def _warm(model, cache, shapes, on_shape) -> None:
+    from .rows import target_logits
+
+    for i, (rows, n, t) in enumerate(shapes, 1):
         t0 = time.perf_counter()
-        step_ms(model, n, repeat=1)
+        cache.used = 0
+        slots = [cache.alloc() for _ in range(rows)]
+        target_logits(model, cache, slots, [[0] * (8 + r) for r in range(rows)], t)  # ragged
+        target_logits(model, cache, slots, [[0] * n for _ in slots], t)
         if on_shape is not None:
-            on_shape(n, i, len(tokens), time.perf_counter() - t0)
+            label = f"{rows} row(s) x {n} token(s)" + (f", taps {list(t)}" if t else "")
+            on_shape(label, i, len(shapes), time.perf_counter() - t0)
 
 
 def prepare(model, limit: int, lean: bool = True) -> None:
@@ -225,6 +324,9 @@ def prepare(model, limit: int, lean: bool = True) -> None:
     runner = getattr(model, "_phoenix_runner", None)
     if lean and LeanRunner.supports(model):
         if runner is None or runner.cos.shape[0] < limit:
+            if runner is not None and runner.compiled:  # a longer context than it was built for
+                log.warning("a compiled runner for %d positions replaced by an eager one for %d: "
+                            "compile for the longest context used", runner.cos.shape[0], limit)  # fmt: skip
             with torch.inference_mode(False):  # the model's parameters stay plain tensors
                 model._phoenix_runner = LeanRunner(model, limit)
         return
