@@ -687,14 +687,14 @@ def compile_engine(cfg, ws, pair: Pair) -> bool:
     """Ready a pair's models for the step loop (their lean runners, `speculative.runner`) and,
     per `engine.compile`, compile each one's whole pass as one graph (`LeanRunner.compile`) and
     warm it at the shapes the loop makes, logging progress, with torch's caches under
-    <artifacts>/cache/compile (a restart is warm). `auto` keeps the compiled pass only where a
-    measurement here finds it faster than eager (one-token and 5-token steps), and falls back to eager
-    with one warning when compiling fails; `true` keeps them and fails loudly. Returns whether
-    the target runs compiled."""
+    <artifacts>/cache/compile. `auto` keeps the compiled pass only where a measurement here
+    finds it faster than eager (one-token and 5-token steps), and falls back to eager with one
+    warning when compiling fails; `true` keeps it and fails loudly. A reload (a new draft or
+    head beside a target decided already) compiles only what is new and leaves an eager target
+    eager. Returns whether the target runs compiled."""
     import os
     import time
 
-    from . import INDUCTOR_CACHE
     from .speculative.runner import prepare, step_ms, warm_up
 
     how = cfg.engine.compile
@@ -710,27 +710,33 @@ def compile_engine(cfg, ws, pair: Pair) -> bool:
             raise PhoenixError(msg)
         log.warning("%s: eager", msg)
         return False
-    fresh = [m for m in models_ if m._phoenix_runner is not None and not m._phoenix_runner.compiled]
-    if not fresh:  # a shared target, compiled already (a reload)
-        if pair.engine.head is not None and not pair.engine.head.compiled:
-            compile_head(pair.engine.head, how, cfg.engine.backend)
-        return True
+    target, head = pair.target, pair.engine.head
+    trun = target._phoenix_runner
+    if trun is not None and trun.tried and not trun.compiled:
+        return False  # decided eager for this target at start-up: a reload keeps it so
     cache = ws.compile_cache
     cache.mkdir(parents=True, exist_ok=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = INDUCTOR_CACHE or str(cache / "inductor")
-    target = pair.target
-    probe = (1, 5)
-    measure = how == "auto" and target in fresh  # a new draft beside a compiled target follows it
-    eager = {n: step_ms(target, n) for n in probe} if measure else {}
-    t0 = time.perf_counter()
-    log.info("engine: compiling the step loop's pass (%s); a first start takes minutes, later "
-             "ones reuse %s", pair.engine.device.type, cache)  # fmt: skip
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _user_inductor_cache() or str(cache / "inductor")
+    taps = [(), tuple(head.config.aux_layer_ids)] if head is not None else [()]
 
     def progress(label: str, i: int, total: int, secs: float) -> None:
         log.info("engine: warmed %s [%d/%d] in %.1f s", label, i, total, secs)
 
-    head = pair.engine.head
-    taps = [(), tuple(head.config.aux_layer_ids)] if head is not None else [()]
+    fresh = [m for m in models_ if m._phoenix_runner is not None and not m._phoenix_runner.compiled]
+    if not fresh:  # a shared target, compiled already (a reload)
+        if trun is not None and set(taps) - trun.warm_taps:  # a new head reading other layers
+            warm_up(target, sorted(set(taps) - trun.warm_taps), progress)
+        if head is not None and not head.compiled:
+            compile_head(head, how, cfg.engine.backend)
+        return True
+    for m in fresh:
+        m._phoenix_runner.tried = True
+    probe = (1, 5)
+    measure = how == "auto" and target in fresh  # a new draft beside a compiled target follows it
+    eager = {n: step_ms(target, n) for n in probe} if measure else {}
+    t0 = time.perf_counter()
+    log.info("engine: compiling the step loop's pass (%s): minutes (torch's cache: %s)",
+             pair.engine.device.type, os.environ["TORCHINDUCTOR_CACHE_DIR"])  # fmt: skip
     try:
         for m in fresh:
             m._phoenix_runner.compile(backend=cfg.engine.backend)
@@ -758,6 +764,22 @@ def compile_engine(cfg, ws, pair: Pair) -> bool:
     if pair.engine.head is not None:
         compile_head(pair.engine.head, how, cfg.engine.backend)
     return True
+
+
+def _user_inductor_cache() -> str | None:
+    """The compile cache the user chose (`pipeline.INDUCTOR_CACHE`), or None: torch's own
+    default, set by an import of torch's compiler before Phoenix's, is not a choice."""
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from . import INDUCTOR_CACHE
+
+    if INDUCTOR_CACHE is None or os.path.abspath(INDUCTOR_CACHE) == os.path.abspath(
+        default_cache_dir()
+    ):
+        return None
+    return INDUCTOR_CACHE
 
 
 def compile_head(head, how: str, backend: str) -> bool:

@@ -183,7 +183,7 @@ def test_compile_auto_falls_back_with_one_warning_and_true_fails(tiny_pair, tmp_
 
 
 def test_the_compiled_loop_serves_every_arm_exactly_with_nothing_left_to_compile(
-    tiny_pair, tmp_path
+    tiny_pair, tmp_path, monkeypatch
 ):
     """engine.compile=true (dynamo's eager backend: the graphs and guards inductor would get):
     after the warm-up, rows of every arm (the EAGLE-3 head's too, its dense parts compiled),
@@ -201,15 +201,18 @@ def test_the_compiled_loop_serves_every_arm_exactly_with_nothing_left_to_compile
             "engine.compile=true", "engine.backend=eager"]  # fmt: skip
     cfg = load_config("configs/ci.yaml", sets)
     pair = models.load_pair(cfg, ws, cfg.models.draft)
+    # torch's compile cache goes under the workspace unless the user chose one: importing
+    # torch's compiler sets the variable to torch's /tmp default, which is not a choice
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setattr(pipeline, "INDUCTOR_CACHE", default_cache_dir())
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
     torch.manual_seed(0)
     vocab = list(range(pair.target.config.vocab_size))
     pair.engine.head = eagle3.new_head(pair.target, vocab, None).eval()
     assert models.compile_engine(cfg, ws, pair) is True
     assert pair.engine.head.compiled
-    # torch's compile cache under the workspace (importing torch had set its /tmp default)
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == (
-        pipeline.INDUCTOR_CACHE or str(ws.compile_cache / "inductor")
-    )
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(ws.compile_cache / "inductor")
     tok, eng = pair.tokenizer, pair.engine
     refs = {t: eng.generate(ids_for(tok, t), 0, 20).token_ids for t in PROMPTS}
     arms = ("0", "draft:2", "draft:4", "ngram:4", "eagle:1", "eagle:3")
@@ -242,6 +245,8 @@ def test_the_compiled_loop_serves_every_arm_exactly_with_nothing_left_to_compile
     assert runners[0].graph_passes - passes[0] >= loop.batch.steps > 0
     assert runners[1].graph_passes > passes[1]
     loop.stop()
+    for r in runners:
+        r.stance = None
 
 
 def test_the_compiled_pass_takes_every_pass_over_all_rows_padded_and_changes_nothing(
@@ -270,17 +275,26 @@ def test_the_compiled_pass_takes_every_pass_over_all_rows_padded_and_changes_not
         return out, kept, list(cache.lengths)
 
     eager = passes(RowCache(target, 2, 64, capacity=4))
+    calls = []
+
+    def counted(gm, example_inputs):  # dynamo's graph, run as it is, its calls counted
+        def run_graph(*args):
+            calls.append(1)
+            return gm.forward(*args)
+
+        return run_graph
+
     try:
-        run.compile(backend="eager")  # dynamo's graphs and guards, no codegen
+        run.compile(backend=counted)
         warm_up(target)
-        run.stance = "fail_on_recompile"
-        before = run.graph_passes
+        assert run.stance is None  # serving: cached graphs only, eager on a miss
+        before, calls[:] = run.graph_passes, []
         cache = RowCache(target, 2, 64, capacity=4)
         compiled = passes(cache)
         assert run.graph_passes - before == 4
+        assert len(calls) == 4  # each of them ran the warm graph (none fell back to eager)
     finally:
         run.uncompile()
-        run.stance = "eager_on_recompile"
     for got, want in zip(compiled[0], eager[0], strict=True):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     for got, want in zip(compiled[1], eager[1], strict=True):
@@ -321,7 +335,7 @@ def test_the_inductor_compiled_pass_serves_the_loop_exactly_from_one_graph(tiny_
         loop.stop()
     finally:
         run.uncompile()
-        run.stance = "eager_on_recompile"
+        run.stance = None
     texts = [t for t in PROMPTS for _ in range(2)]
     for j, t in zip(jobs, texts, strict=True):
         assert j.error is None and j.result.token_ids == refs[t], j.arm

@@ -24,10 +24,10 @@ head. A model run without a plan (`engine.generate`, training) attends with SDPA
 
 Memory: `2 x layers x (rows + 1) x kv_heads x capacity x head_dim` numbers per model (the one
 spare row pads a compiled pass: `RowCache.padded`). Capacity grows by doubling (a copy) up to
-one column past the engine's context limit; on the embedded default (SmolLM2-135M:
-30 layers, 3 kv heads of 64, fp32) a position costs 46 KB per row, so 16 rows at 512 positions
-hold 377 MB, the 6-layer draft a fifth of that (bf16: half). Attention reads each row's columns
-up to the longest row of the step (`width`), not the whole capacity.
+one column past the engine's context limit; on the embedded default (SmolLM2-135M: 30
+layers, 3 kv heads of 64, fp32) a position costs 46 KB per row, so 16 rows and the spare at 513
+positions hold 402 MB, the 6-layer draft a fifth of that (bf16: half). Attention reads each
+row's columns up to the longest row of the step (`width`), not the whole capacity.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class RowCache(Cache):
         self.lengths[slot] = 0
         return slot
 
-    @torch.inference_mode()  # the tensors are made inside it (a forward grows them)
+    @torch.inference_mode()  # a copy between rows, nothing for autograd to record
     def release(self, slot: int) -> int | None:
         """Free `slot`. The last row moves into it; returns the slot it moved from (None when
         `slot` was the last)."""
@@ -178,7 +178,8 @@ class RowCache(Cache):
         if width > self.limit:
             raise ValueError(f"a row would pass the cache's {self.limit} positions")
         if width >= self.capacity:
-            self._grow(max(width + 1, 2 * self.capacity))
+            want = max(width + 1, 2 * self.capacity)
+            self._grow(self.limit + 1 if want >= self.limit else want)  # not 512, then 513
         token_row = torch.repeat_interleave(torch.arange(len(slots)), torch.tensor(sizes))
         offset = torch.cat([torch.arange(n) for n in sizes])
         positions = torch.tensor(starts)[token_row] + offset

@@ -117,7 +117,7 @@ class _Pass(torch.nn.Module):
     copied), so that `torch.compile` sees them as weights: on a CPU, inductor's freezing folds
     them into the graph as constants, and max-autotune times its own CPU GEMM kernels (AMX or
     AVX-512 micro-kernels) against ATen's for each matmul and keeps the faster. Measured on the
-    Intel Xeon (AMX), a chain of the embedded target's matmuls at 2-40 rows ran about twice as
+    Intel Xeon (AMX), a chain of the embedded target's matmuls at 2-40 rows ran 1.7-2.0x as
     fast that way as the best eager form (docs/measurements.md). The matmul form `cpu.py`
     chooses is left out (inductor chooses), and the head stays outside (eager)."""
 
@@ -207,11 +207,16 @@ class LeanRunner:
         self.sin = (emb.sin() * rot.attention_scaling).to(dtype)
         self.shape = (self.heads, self.kv_heads, self.head_dim)
         self.graph: torch.nn.Module | None = None  # the compiled pass (`compile`)
-        # What the compiled pass does with a shape it was not warmed for: run it eager. Tests
-        # set "fail_on_recompile": a step the loop makes that the warm graph cannot take fails.
-        self.stance = "eager_on_recompile"
+        self._cached: torch.nn.Module | None = None  # the same, running cached graphs only
+        # None (serving): the graphs warmed already, a shape they cannot take eager, on this
+        # thread alone (torch's stances are process-wide; a reload compiles on another thread).
+        # Else the torch stance to call the graph under: "default" compiles (`warm_up`),
+        # "fail_on_recompile" (tests) fails a pass the warm graph cannot take.
+        self.stance: str | None = None
         self.graph_passes = 0  # passes given to the compiled pass (tests count them)
         self.options: dict = {}  # inductor's settings while it compiles (`warm_up`)
+        self.warm_taps: set[tuple[int, ...]] = set()  # the taps `warm_up` compiled for
+        self.tried = False  # `models.compile_engine` decided this runner (compiled or eager)
 
     @property
     def compiled(self) -> bool:
@@ -227,10 +232,17 @@ class LeanRunner:
         if backend == "inductor" and self.embed.device.type == "cpu":
             self.options = {"freezing": True, "max_autotune": True,
                             "max_autotune_gemm_backends": "CPP,ATEN"}  # fmt: skip
+        # Every runner's graphs are entries of the one `_Pass.forward`: a target's two, a
+        # draft's, each reloaded draft's (torch's default allows 8, then runs eager).
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.graph = torch.compile(_Pass(self), dynamic=True, backend=backend)
+        self._cached = torch._dynamo.run(self.graph)
+        self.warm_taps = set()
 
     def uncompile(self) -> None:
-        self.graph = None
+        """Back to eager (the compiled code stays in torch's cache until the process ends)."""
+        self.graph = self._cached = None
+        self.warm_taps = set()
 
     @torch.inference_mode()
     def hidden(
@@ -244,6 +256,8 @@ class LeanRunner:
         that no size is 1: `RowCache.padded`)."""
         if graph and self.graph is not None:
             self.graph_passes += 1
+            if self.stance is None:
+                return self._cached(ids, cache, plan, tuple(taps), tapped)
             with torch.compiler.set_stance(self.stance):
                 return self.graph(ids, cache, plan, tuple(taps), tapped)
         return _forward(self.embed_tokens, self.layers, self.norm, self.cos, self.sin, self.eps,
@@ -289,20 +303,26 @@ def warm_up(model, taps: Sequence[Sequence[int]] = ((),), on_shape=None) -> None
     runner = getattr(model, "_phoenix_runner", None)
     if runner is None or not runner.compiled:
         return
-    limit = runner.cos.shape[0]
-    shapes = [(r, n, t) for t in taps for r, n in WARM if 8 + n < limit]
-    cache = RowCache(model, max(r for r, _, _ in shapes), min(limit, 64))
-    stance, runner.stance = runner.stance, "default"  # compiling allowed (serving: not)
-    # Inductor's settings must hold while dynamo traces too (freezing decides how it sees the
-    # weights), so they are set around the calls that compile, not passed to torch.compile.
+    limit = min(runner.cos.shape[0], 64)
+    shapes = [(r, n, t) for t in taps for r, n in WARM if 8 + r + n <= limit]  # `_warm`'s widths
+    if not shapes:
+        return
+    cache = RowCache(model, max(r for r, _, _ in shapes), limit)
+    stance = runner.stance
     try:
+        # Inductor's settings must hold while dynamo traces too (freezing decides how it sees
+        # the weights), so they are set around the calls that compile, not given to compile.
+        runner.stance = "default"  # compiling allowed (serving: not)
         with torch._inductor.config.patch(runner.options):
             _warm(model, cache, shapes, on_shape)
+        runner.stance = "fail_on_recompile"  # each set of taps: the graph is there (else raise)
+        _warm(model, cache, [(r, n, t) for r, n, t in shapes if (r, n) == WARM[1]])
     finally:
         runner.stance = stance
+    runner.warm_taps |= {tuple(t) for t in taps}
 
 
-def _warm(model, cache, shapes, on_shape) -> None:
+def _warm(model, cache, shapes, on_shape=None) -> None:
     from .rows import target_logits
 
     for i, (rows, n, t) in enumerate(shapes, 1):
