@@ -767,19 +767,17 @@ def compile_engine(cfg, ws, pair: Pair) -> bool:
 
 
 def _user_inductor_cache() -> str | None:
-    """The compile cache the user chose (`pipeline.INDUCTOR_CACHE`), or None: torch's own
-    default, set by an import of torch's compiler before Phoenix's, is not a choice."""
+    """The compile cache the user chose (`TORCHINDUCTOR_CACHE_DIR`), or None: importing torch's
+    compiler sets the variable to torch's own default (/tmp/torchinductor_<user>), which is not
+    a choice (a `setdefault` had left the workspace's cache directory empty)."""
     import os
 
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from . import INDUCTOR_CACHE
-
-    if INDUCTOR_CACHE is None or os.path.abspath(INDUCTOR_CACHE) == os.path.abspath(
-        default_cache_dir()
-    ):
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
         return None
-    return INDUCTOR_CACHE
+    return chosen
 
 
 def compile_head(head, how: str, backend: str) -> bool:

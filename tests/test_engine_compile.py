@@ -9,7 +9,6 @@ import pytest
 import requests
 import torch
 
-import pipeline
 from pipeline import models
 from pipeline.config import load_config
 from pipeline.server import create_app
@@ -205,7 +204,6 @@ def test_the_compiled_loop_serves_every_arm_exactly_with_nothing_left_to_compile
     # torch's compiler sets the variable to torch's /tmp default, which is not a choice
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    monkeypatch.setattr(pipeline, "INDUCTOR_CACHE", default_cache_dir())
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
     torch.manual_seed(0)
     vocab = list(range(pair.target.config.vocab_size))

@@ -258,15 +258,14 @@ def _hidden(model, cache: RowCache, slots, feeds, taps: Sequence[int] = ()):
     transformers' forward with `rows_attention`. The cache advances. With `taps` (layer ids):
     also those layers' inputs, concatenated [T, len(taps) * hidden] (an EAGLE-3 head's)."""
     runner = getattr(model, "_phoenix_runner", None)
-    real, graph = sum(len(f) for f in feeds), None
-    if runner is not None and runner.compiled:
-        graph = cache.padded(slots, feeds)
-    plan = cache.plan(*(graph or (slots, feeds)))
-    ids = _flat(graph[1] if graph else feeds, cache.device)
+    padded = cache.padded(slots, feeds) if runner is not None and runner.compiled else None
+    plan = cache.plan(*(padded or (slots, feeds)))
+    ids = _flat(padded[1] if padded else feeds, cache.device)
     tapped: list[torch.Tensor] = []
     if runner is not None:
-        hidden = runner.hidden(ids, cache, plan, taps, tapped, graph=graph is not None)
-        if graph is not None:  # the spare row's tokens, last, dropped
+        hidden = runner.hidden(ids, cache, plan, taps, tapped, graph=padded is not None)
+        if padded is not None:  # the spare row's tokens, last, dropped
+            real = sum(len(f) for f in feeds)
             hidden, tapped = hidden[:real], [t[:real] for t in tapped]
     else:
         out = model.base_model(
