@@ -44,6 +44,7 @@ from benchmarks.common import environment, header, server, table, write_results
 from pipeline import loadtest, models, vllm
 from pipeline.config import load_config
 from pipeline.drafts import resolve_served
+from pipeline.serving import heap
 from pipeline.workspace import Workspace
 
 NO_CAPTURE = {"capture": False}
@@ -272,6 +273,13 @@ def guessing(p: dict) -> str:
     return out + (f", {cap:.1f} a step" if cap is not None else "")
 
 
+def gcs(p: dict) -> str:
+    """The server's full garbage collections during a point, and the seconds they held it."""
+    if p.get("gc_full") is None:
+        return "-"
+    return f"{p['gc_full']:.0f} ({p['gc_full_s']:.2f})"
+
+
 def markdown(results: dict) -> str:
     env = results["environment"]
     out = [f"# Serving under load\n\n{header(env)}\n",
@@ -283,7 +291,8 @@ def markdown(results: dict) -> str:
            + (f"at {results['url']} (already running)" if results.get("url") else
               f"ready after {results['phoenix']['ready_s']:.0f} s") + ".\n"]  # fmt: skip
     head = ["engine", "mode", "clients", "tok/s", "p50 s", "p95 s", "TTFT p50 s", "acceptance",
-            "arms", "speculated because", "guessing rows: joined at, steps guessed, tokens a step"]  # fmt: skip
+            "arms", "speculated because", "guessing rows: joined at, steps guessed, tokens a step",
+            "full GCs (s)"]  # fmt: skip
     rows = []
     engines = [("phoenix", results["phoenix"]["modes"])]
     if "vllm" in results:
@@ -300,7 +309,7 @@ def markdown(results: dict) -> str:
                              ", ".join(f"{a}: {n}" for a, n in p.get("arms", {}).items()) or "-",
                              ", ".join(f"{a}: {n}" for a, n in
                                        p.get("speculated_because", {}).items()) or "-",
-                             guessing(p)])  # fmt: skip
+                             guessing(p), gcs(p)])  # fmt: skip
     out += table(head, rows)
     out += ["", "Against the goals:", "", *results["verdict"], ""]
     return "\n".join(out)
@@ -334,6 +343,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = load_config(args.config, args.set)
     ws = Workspace(args.artifacts)
+    heap.freeze()  # the clients' process too: a full collection here would stall their reads
     t0 = time.perf_counter()
     results = {"environment": environment(cfg), "config": args.config, "sets": args.set,
                "clients": args.clients, "requests": args.requests, "tokens": args.tokens,

@@ -29,6 +29,7 @@ from . import models, report
 from .artifacts import weights_id
 from .config import Config
 from .errors import InputError, VerificationError
+from .serving import heap
 from .serving.core import ServingCore, make_core
 from .serving.request import Request, fixed, parse_mode
 from .speculative.arms import parse_arm, usable
@@ -286,12 +287,18 @@ def interleave(cfg, telemetry, runs, ids, rows) -> list[dict]:
     modes = [warm_up(cfg, core, mode_text, ids) for core, _, mode_text, _ in runs]
     out: list[list[dict]] = [[] for _ in runs]
     order = list(range(len(runs)))
-    with tqdm(total=len(ids) * len(runs), desc="bench", unit="req", dynamic_ncols=True) as bar:
-        for i, p in enumerate(ids):
-            for j in order if i % 2 == 0 else order[::-1]:
-                core, draft, _, label = runs[j]
-                out[j].append(measure_one(cfg, telemetry, core, modes[j], draft, label, i, p, rows))
-                bar.update()
+    heap.freeze()  # a full collection inside a timed request would walk the models' heap
+    try:
+        with tqdm(total=len(ids) * len(runs), desc="bench", unit="req", dynamic_ncols=True) as bar:
+            for i, p in enumerate(ids):
+                for j in order if i % 2 == 0 else order[::-1]:
+                    core, draft, _, label = runs[j]
+                    out[j].append(
+                        measure_one(cfg, telemetry, core, modes[j], draft, label, i, p, rows)
+                    )
+                    bar.update()
+    finally:
+        heap.unfreeze()
     return [r for run in out for r in run]
 
 

@@ -128,12 +128,18 @@ class Endpoint:
 
 def spec_counters(exposition: str) -> dict[str, Any] | None:
     """Drafts, draft tokens, accepted tokens and accepted per position from a Prometheus
-    exposition, summed over label sets (vLLM labels by model and engine); None without any."""
+    exposition, summed over label sets (vLLM labels by model and engine); None without any.
+    Phoenix's also carry its full garbage collections so far (`gc_full`, `gc_full_s`)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, Any] = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": {}}
     found = False
     for family in text_string_to_metric_families(exposition):
+        if family.name == "phoenix:gc_pause_seconds":  # full collections (`serving.heap`)
+            for s in family.samples:
+                if s.labels.get("generation") == "2" and s.name.endswith(("_count", "_sum")):
+                    out["gc_full" if s.name.endswith("_count") else "gc_full_s"] = s.value
+            continue
         prefix, _, name = family.name.partition(":")
         if prefix not in SPEC_PREFIXES or not name.startswith("spec_decode_"):
             continue
@@ -246,6 +252,9 @@ def _moved(before: dict | None, after: dict | None) -> dict | None:
         return None
     before = before or {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": {}}
     out = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
+    for k in ("gc_full", "gc_full_s"):
+        if k in after:
+            out[k] = after[k] - before.get(k, 0.0)
     out["per_pos"] = {p: v - before["per_pos"].get(p, 0.0) for p, v in after["per_pos"].items()}
     return out
 
@@ -311,7 +320,15 @@ def summarise(rounds: list[dict]) -> dict[str, Any]:
             else None
         ),
         **acceptance_between(None, total),
+        # The server's full garbage collections during the point's rounds, and their seconds.
+        "gc_full": _gc(moved, "gc_full"),
+        "gc_full_s": _gc(moved, "gc_full_s"),
     }
+
+
+def _gc(moved: list[dict | None], key: str) -> float | None:
+    got = [m[key] for m in moved if m is not None and key in m]
+    return sum(got) if got else None
 
 
 def phoenix_fields(ph: dict | None) -> dict[str, Any]:

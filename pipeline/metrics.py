@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20)
+GC_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class Metrics:
@@ -21,8 +22,11 @@ class Metrics:
         queue_depth: Callable[[], float],
         running: Callable[[], float],
         fallback_active: Callable[[], float] = lambda: 0.0,
+        gc_pauses=None,
     ):
+        """`gc_pauses`: a `serving.heap.GCPauses` whose collections /metrics reports."""
         r = self.registry = CollectorRegistry()
+        self.gc_pauses = gc_pauses
         self.num_drafts = Counter(
             "phoenix:spec_decode_num_drafts", "Draft proposals (rounds that drafted).", registry=r
         )
@@ -97,6 +101,13 @@ class Metrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
+        self.gc_pause = Histogram(
+            "phoenix:gc_pause_seconds",
+            "Python garbage collections, by generation (2: full): every row waits them out.",
+            ["generation"],
+            buckets=GC_BUCKETS,
+            registry=r,
+        )
         waiting = Gauge(
             "phoenix:num_requests_waiting", "Admitted requests not generating yet.", registry=r
         )
@@ -135,4 +146,7 @@ class Metrics:
             self.ttft.observe(queued_s + rec["first_token_s"])
 
     def exposition(self) -> bytes:
+        if self.gc_pauses is not None:  # collections timed since the last read (`serving.heap`)
+            for generation, seconds in self.gc_pauses.drain():
+                self.gc_pause.labels(generation=str(generation)).observe(seconds)
         return generate_latest(self.registry)

@@ -18,6 +18,7 @@ from typing import Any
 from . import models
 from .artifacts import current_pointer, weights_id
 from .drafts import resolve_served
+from .serving import heap
 from .serving.scheduler import apart, background
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,8 @@ class DraftReloader:
                             "EAGLE-3 head): restart the server to serve it"}  # fmt: skip
                 pair = apart(lambda: self._load(served, core.pair), "phoenix-draft-load")
                 waited = core.swap_draft(pair, served.label, served.describe())
+                n, took = heap.refreeze()  # the old draft's objects collected, the new frozen
+                log.info("gc: %d objects frozen after the swap (%.0f ms)", n, 1000 * took)
             except Exception as exc:  # noqa: BLE001 - whatever failed, the old draft serves on
                 self.metrics.draft_reloads.labels(outcome="failed").inc()
                 # Sentry first, with its tags: the logging integration's copy of the same

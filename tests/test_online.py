@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import signal
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -367,7 +369,7 @@ def test_reload_endpoint_needs_the_key_and_keeps_an_unchanged_draft(tmp_path, mo
 def test_a_reload_loads_the_new_draft_on_a_thread_that_ends(tmp_path, monkeypatch):
     """A reload's loading runs apart (`scheduler.apart`): not on the request handler's thread,
     which would keep an OpenMP pool beside the step loop's (every later step 1.6-1.75x slower on
-    2 cores), but on a thread that is gone once the new draft serves."""
+    2 cores), but on a thread that is gone once the new draft serves. The old draft is freed."""
     from pipeline import drafts
     from pipeline import reload as reloading
 
@@ -380,13 +382,18 @@ def test_a_reload_loads_the_new_draft_on_a_thread_that_ends(tmp_path, monkeypatc
         seen.append(threading.current_thread())
         return real(*a, **k)
 
-    with ServerThread(build_app(cfg, Workspace(tmp_path))) as s:
+    app = build_app(cfg, Workspace(tmp_path))
+    with ServerThread(app) as s:
         wait_http(s.url + "/health", timeout=60)
+        old = weakref.ref(app.state.phoenix.core.pair.draft)
         monkeypatch.setattr(reloading, "resolve_served", lambda *_: other)
         monkeypatch.setattr(reloading.models, "load_pair", load_pair)
         r = requests.post(s.url + "/admin/reload-draft", timeout=120)
         assert r.status_code == 200 and r.json()["reloaded"] and r.json()["draft"] == "cut:2"
         assert [t.name for t in seen] == ["phoenix-draft-load"] and not seen[0].is_alive()
+        # The old draft's objects were frozen with the start-up heap: given back to the
+        # collector before the new heap is frozen, they are freed, not kept for good.
+        assert old() is None and gc.get_freeze_count() > 0
 
 
 def wait_until(cond, timeout: float = 30.0) -> None:

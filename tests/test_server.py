@@ -426,6 +426,35 @@ def test_metrics_count_what_the_requests_did(tiny_models, tmp_path):
     assert value("phoenix:generation_tokens_total") > 0
 
 
+def test_start_up_heap_is_frozen_and_collections_are_timed_on_metrics(tiny_models):
+    """Ready means the start-up heap is frozen (a full collection no longer walks the models'
+    objects, `serving.heap`); every collection shows on /metrics by generation; shutdown gives
+    the heap back to the collector and detaches the timer."""
+    import gc
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    app = create_app(lambda: tiny_core(tiny_models))
+    callbacks = len(gc.callbacks)
+    with ServerThread(app) as s:
+        wait_http(s.url + "/health")
+        assert gc.get_freeze_count() > 10_000  # torch, transformers, the tiny models
+        assert len(gc.get_objects()) < gc.get_freeze_count()  # what a collection walks now
+        assert len(gc.callbacks) == callbacks + 1
+        post(s, CHAT, chat_body(max_tokens=4))
+        gc.collect()
+        text = requests.get(s.url + "/metrics", timeout=5).text
+    counts = {
+        x.labels.get("generation"): x.value
+        for family in text_string_to_metric_families(text)
+        for x in family.samples
+        if x.name == "phoenix:gc_pause_seconds_count"
+    }
+    assert counts.get("2", 0) >= 1, counts
+    assert gc.get_freeze_count() == 0
+    assert len(gc.callbacks) == callbacks
+
+
 def test_ngram_mode_needs_no_draft_and_bad_modes_name_the_valid_arms(tiny_models):
     """A server without a draft model serves ngram:K (and a bandit over 0 and ngram arms); an
     unknown strategy, an unconfigured length or a draft arm there is a 400 naming the arms."""

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pipeline import loadtest, vllm
 from pipeline.metrics import Metrics
+from pipeline.serving.heap import GCPauses
 
 VLLM_EXPOSITION = textwrap.dedent(
     """\
@@ -92,6 +93,13 @@ def test_spec_counters_read_vllm_and_phoenix_names_alike():
     assert mine == {"drafts": 4.0, "draft_tokens": 8.0, "accepted": 5.0, "per_pos": {0: 3.0}}
     assert loadtest.acceptance_between(got, got)["acceptance"] is None  # nothing moved
     assert loadtest.spec_counters("# nothing\n") is None
+    # Phoenix's full garbage collections (`serving.heap`), timed off the collector's thread.
+    pauses = GCPauses()
+    m = Metrics(queue_depth=lambda: 0, running=lambda: 0, gc_pauses=pauses)
+    m.num_drafts.inc(1)
+    pauses.pending.extend([(2, 0.25), (0, 0.001), (2, 0.5)])
+    got = loadtest.spec_counters(m.exposition().decode())
+    assert got["gc_full"] == 2 and got["gc_full_s"] == 0.75 and not pauses.pending
 
 
 def test_rounds_of_a_point_pool_their_requests_clocks_and_counters():
@@ -126,6 +134,12 @@ def test_rounds_of_a_point_pool_their_requests_clocks_and_counters():
     assert p["guessing_cap"] is None  # no positions reported
     two["results"][1]["eligible_per_position"] = [5, 3]  # capped at 1 in 2 of its 5 steps
     assert loadtest.summarise([one, two])["guessing_cap"] == 8 / 5
+    assert p["gc_full"] is None  # no collections reported
+    one["after"]["gc_full"], one["after"]["gc_full_s"] = 1.0, 0.5
+    two["before"]["gc_full"], two["before"]["gc_full_s"] = 1.0, 0.5
+    two["after"]["gc_full"], two["after"]["gc_full_s"] = 3.0, 0.75
+    p = loadtest.summarise([one, two])
+    assert p["gc_full"] == 1 + 2 and p["gc_full_s"] == 0.5 + 0.25
     one["after"] = None  # a server without counters
     assert loadtest.summarise([one, two])["acceptance"] is None
 
