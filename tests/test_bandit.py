@@ -889,3 +889,19 @@ def test_the_drift_guard_judges_a_request_at_the_load_it_ran_at(judged_at_its_ru
         events.append(p.reward(d, out, joined, step, rows))
     fell_back = any(e and e["event"] == "fallback" for e in events)
     assert fell_back is not judged_at_its_run
+
+
+def test_without_a_plain_arm_a_choice_before_any_acceptance_is_known_does_not_fail():
+    """`bandit.arms` need not include 0. Right after the warm-up, with those requests still
+    running (no acceptance measured), nothing has a prediction: the measured means decide
+    (it raised ValueError from max() of nothing, failing the request)."""
+    from pipeline.speculative.bandit import Context
+
+    b = goodput_bandit(arms=("ngram:4", "eagle:2"))
+    assert [b.choose().arm for _ in range(2)] == ["ngram:4", "eagle:2"]  # warm-up
+    crowded = Context(rows=3, step_cost=line(0.03, 0.0005), others_fed=2.0, others_tokens=2.0)
+    for ctx in (crowded, Context(rows=1, step_cost=line(0.03, 0.0005))):
+        d = b.choose(ctx)
+        assert d.arm in ("ngram:4", "eagle:2") and not d.warmup
+    teach(b, "eagle:2", 10, [10, 10], [5, 3])
+    assert b.choose(Context(rows=1, step_cost=line(0.03, 0.0005))).arm == "eagle:2"

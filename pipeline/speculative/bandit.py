@@ -642,7 +642,10 @@ class GoodputBandit(EpsilonGreedy):
             explored = self.rng.random() < eps
             allowed = self._allowed(values, context)
             known = {a: v for a, v in known.items() if a in allowed}
-            if explored:  # an unknown arm, or one within the margin of the best prediction
+            if not known:  # no plain arm, and no acceptance measured yet: the measured means
+                explored = False
+                arm = max(allowed, key=lambda a: (self.means[a], -self.arms.index(a)))
+            elif explored:  # an unknown arm, or one within the margin of the best prediction
                 floor = (1 - self.explore_margin) * max(known.values())
                 arm = self.rng.choice(
                     [a for a in allowed if values[a] is None or values[a] >= floor]
