@@ -591,3 +591,42 @@ def test_calibrating_times_each_arm_alone_so_a_seeded_bandit_skips_its_warm_up(t
         assert got == [("0", True), ("draft:2", True), ("draft:4", True)]
     finally:
         core.scheduler.stop()
+
+
+def test_the_gate_is_asked_again_when_the_rows_change_else_every_few_steps(tiny_models):
+    """`ServingCore._gate` reuses its caps while the same rows run (its judgement cost 1.5% of a
+    compiled 16-row step to say "none" step after step) for at most `GATE_EVERY` steps, and
+    judges again at once after a join or a leave; every output stays the target's own."""
+    from pipeline.serving import core as serving
+    from pipeline.serving.request import Request, fixed
+    from tests.servers import tiny_core
+
+    core = tiny_core(tiny_models, arms=["ngram:2"], max_batch=4)  # every bandit row adaptive
+    try:
+        batch = core.scheduler.batch
+        prompts = [core.text_prompt_ids(t) for t in ("def add(a, b):", "x = [1, 2]", "for i")]
+        plain = [core.generate(Request(p, 10 + 4 * i, fixed("0")), timeout=60).result.token_ids
+                 for i, p in enumerate(prompts)]  # fmt: skip
+        assert batch.cost.seen
+        asked, real = [], core.policy.may_guess
+
+        def may_guess(rows, *a):
+            asked.append((batch.changes, batch.steps, len(rows)))
+            return real(rows, *a)
+
+        core.policy.may_guess = may_guess
+        stepped, step = [], batch.step
+        batch.step = lambda *a: (stepped.append((batch.changes, len(batch.rows))), step(*a))[1]
+        reqs = [Request(p, 10 + 4 * i, core.mode("bandit")) for i, p in enumerate(prompts)]
+        for r in reqs:
+            core.submit(r)
+        outs = [r.result(timeout=60).result.token_ids for r in reqs]
+        assert outs == plain
+    finally:
+        core.scheduler.stop()
+    gated = [s for s in stepped if s[1] > 1]  # alone, a row guesses its k: no gate
+    assert len(asked) < len(gated)  # reused
+    for (c0, s0, _), (c1, s1, _) in zip(asked, asked[1:], strict=False):
+        assert c1 != c0 or s1 - s0 == serving.GATE_EVERY  # a change, or its time
+    changes = {c for c, n in gated}
+    assert changes <= {c for c, _, _ in asked}  # every set of rows was judged

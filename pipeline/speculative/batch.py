@@ -253,6 +253,7 @@ class RowBatch:
         self.rows: list[Row] = []
         self.epoch = 0  # bumped by each `set_engine` (a new draft)
         self.steps = 0
+        self.changes = 0  # bumped by every join and leave: the rows' set (`ServingCore._gate`)
         self.max_rows_seen = 0
         self._tcache: RowCache | None = None
         self._dcache: RowCache | None = None
@@ -305,6 +306,7 @@ class RowBatch:
     def reset(self) -> list[Row]:
         """Drop every row and both caches (after a step failed); returns the rows dropped."""
         rows, self.rows = self.rows, []
+        self.changes += 1
         self._tcache = self._dcache = None
         return rows
 
@@ -349,6 +351,7 @@ class RowBatch:
                 )
             )
         self.rows += joined
+        self.changes += 1
         pad = self.engine.pad_token_id
         drafting = [r for r in joined if r.dslot is not None]
         taps = self._taps(joined)
@@ -397,6 +400,7 @@ class RowBatch:
             if moved is not None:
                 next(r for r in self.rows if r.dslot == moved).dslot = row.dslot
         self.rows.remove(row)
+        self.changes += 1
         # Rows in slot order: a pass over all of them reads the cache as a view (`RowCache.plan`,
         # contiguous slots) instead of copying every layer's keys and values out and back.
         self.rows.sort(key=lambda r: r.tslot)
