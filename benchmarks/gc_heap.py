@@ -54,7 +54,7 @@ def main() -> None:
         after = collections()
         left = len(gc.get_objects())
     finally:
-        heap.unfreeze()
+        heap.release()
         core.close()
     env = environment(cfg)
     env["dtype"] = str(core.pair.target.dtype).removeprefix("torch.")  # `auto`: what it chose

@@ -298,7 +298,7 @@ def interleave(cfg, telemetry, runs, ids, rows) -> list[dict]:
                     )
                     bar.update()
     finally:
-        heap.unfreeze()
+        heap.release()
     return [r for run in out for r in run]
 
 

@@ -98,8 +98,6 @@ class DraftReloader:
                             "EAGLE-3 head): restart the server to serve it"}  # fmt: skip
                 pair = apart(lambda: self._load(served, core.pair), "phoenix-draft-load")
                 waited = core.swap_draft(pair, served.label, served.describe())
-                n, took = heap.refreeze()  # the old draft's objects collected, the new frozen
-                log.info("gc: %d objects frozen after the swap (%.0f ms)", n, 1000 * took)
             except Exception as exc:  # noqa: BLE001 - whatever failed, the old draft serves on
                 self.metrics.draft_reloads.labels(outcome="failed").inc()
                 # Sentry first, with its tags: the logging integration's copy of the same
@@ -112,16 +110,21 @@ class DraftReloader:
                 )
                 log.exception("draft reload failed (%s); still serving %s", reason, old)
                 return {"reloaded": False, "error": f"{type(exc).__name__}: {exc}", "draft": old}
+            # The old draft's objects back to the collector and collected, the new ones frozen
+            # (`serving.heap`): one full collection, which holds the loop as any does.
+            _, collected = heap.refreeze()
             seconds = time.perf_counter() - t0
             self.metrics.set_draft(served.label, served.source)
             self.metrics.draft_reloads.labels(outcome="ok").inc()
             log.info(
-                "draft reload (%s): now serving %s (was %s); %.2f s, generation paused %.3f s",
+                "draft reload (%s): now serving %s (was %s); %.2f s, generation paused %.3f s "
+                "for the swap and %.3f s for the old draft's garbage collection",
                 reason,
                 served.sentence(),
                 old,
                 seconds,
                 waited,
+                collected,
             )
             self.telemetry.event(
                 f"phoenix draft swapped: {old} -> {served.label}",

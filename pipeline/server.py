@@ -263,6 +263,7 @@ class ServerState:
     core: ServingCore | None = None
     error: str | None = None
     closing: bool = False  # shutting down: admit nothing new
+    froze: bool = False  # this server holds the process's heap frozen (`serving.heap`)
     inflight: set[CoreRequest] = field(default_factory=set)  # handed to the core, not done
     inflight_lock: threading.Lock = field(default_factory=threading.Lock)
     traffic: TrafficLog | None = None  # traffic.capture
@@ -783,7 +784,11 @@ def create_app(
             st.metrics.set_draft(core.draft_id, (core.draft_info or {}).get("source"))
             if st.reloader is not None and core.pair is not None and core.pair.draft_ref is None:
                 st.reloader = None  # a target-only server: no draft to swap
+            if st.closing:  # shut down while loading: nothing to serve, nothing to freeze
+                core.close(timeout=1.0)
+                return
             n, took = heap.freeze()  # the start-up heap out of the collector's way (`heap`)
+            st.froze = True
             log.info("gc: %d start-up objects frozen (a full collection walked them in %.0f ms)",
                      n, 1000 * took)  # fmt: skip
             st.core = core
@@ -817,7 +822,8 @@ def create_app(
             st.traffic.close()
         st.telemetry.flush()
         gc_pauses.detach()
-        heap.unfreeze()
+        if st.froze:
+            heap.release()
 
     app = FastAPI(title="Phoenix speculative server", lifespan=lifespan)
     app.state.phoenix = st

@@ -157,7 +157,9 @@ class ServingCore:
         Judged again when a row joins or leaves, else every `GATE_EVERY` steps: at 16 rows the
         judgement took 0.56 ms a step, 1.5% of a compiled step (Intel Xeon), to say the same
         "none" step after step. The caps bound guesses only (each row's own k and budget
-        still apply), so a reused one never changes what a row outputs."""
+        still apply): a greedy row's output is the target's whatever they are, a sampled row's
+        is drawn from the target's distribution (its draws, as ever, depend on what it
+        guessed)."""
         batch = self.scheduler.batch
         if not batch.cost.seen:
             return [r.k_eff for r in rows]

@@ -11,8 +11,9 @@ wait it out: 402,000 objects and 155 ms a collection with the embedded default s
 after its start-up (`freeze_gc_heap`): a full collection, then `gc.freeze()`, which moves every
 object tracked then to a permanent generation the collector skips. A draft swap freezes again
 (`refreeze`: the old draft's objects are unfrozen and collected first, so a cycle among them is
-not kept for the process's life). `unfreeze()` at shutdown gives the heap back to the collector
-(tests run many servers in one process).
+not kept for the process's life; that one collection pauses the loop as any full one does).
+`release()` at shutdown: the last holder in the process (tests run many servers in one) gives
+the heap back to the collector.
 
 `GCPauses` times every collection (`gc.callbacks`) for the histogram `phoenix:gc_pause_seconds`
 by generation, so a pause shows on /metrics rather than as an unexplained stall. The callback
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -32,10 +34,43 @@ from collections.abc import Iterator
 log = logging.getLogger(__name__)
 
 
+_lock = threading.Lock()
+_holders = 0  # servers (and benches) in this process that froze the heap and have not let go
+
+
 def freeze() -> tuple[int, float]:
-    """Collect every generation, then freeze what is left (`gc.freeze`). Returns (objects
-    frozen by this call, seconds the full collection took: what each such collection cost
-    before)."""
+    """Collect every generation, then freeze what is left (`gc.freeze`), and hold the heap
+    frozen until `release`. Returns (objects frozen by this call, seconds the full collection
+    took: what each such collection cost before)."""
+    global _holders
+    with _lock:
+        _holders += 1
+        return _collect_and_freeze()
+
+
+def refreeze() -> tuple[int, float]:
+    """Freeze again after objects frozen earlier may have died (a swapped-out draft): back to
+    the collector first, so cyclic garbage among them is collected. Holders unchanged."""
+    with _lock:
+        gc.unfreeze()
+        return _collect_and_freeze()
+
+
+def release() -> None:
+    """One holder lets go; the last gives the heap back to the collector (`gc.freeze` is the
+    process's, and tests run several servers in one)."""
+    global _holders
+    with _lock:
+        _holders = max(0, _holders - 1)
+        if _holders == 0:
+            gc.unfreeze()
+
+
+def holders() -> int:
+    return _holders
+
+
+def _collect_and_freeze() -> tuple[int, float]:
     t0 = time.perf_counter()
     gc.collect()
     took = time.perf_counter() - t0
@@ -44,27 +79,14 @@ def freeze() -> tuple[int, float]:
     return gc.get_freeze_count() - before, took
 
 
-def refreeze() -> tuple[int, float]:
-    """`freeze` again after objects frozen earlier may have died (a swapped-out draft): back
-    to the collector first, so cyclic garbage among them is collected."""
-    gc.unfreeze()
-    return freeze()
-
-
-def unfreeze() -> None:
-    gc.unfreeze()
-
-
-def frozen() -> int:
-    return gc.get_freeze_count()
-
-
 class GCPauses:
     """Every garbage collection while attached: (generation, seconds), kept until `drain`ed
-    (the newest 10,000)."""
+    (the newest 10,000 young ones; full ones apart, so frequent young collections between two
+    reads of /metrics cannot push them out)."""
 
     def __init__(self):
-        self.pending: deque[tuple[int, float]] = deque(maxlen=10_000)
+        self.young: deque[tuple[int, float]] = deque(maxlen=10_000)
+        self.full: deque[tuple[int, float]] = deque(maxlen=10_000)
         self._start: float | None = None
         self.attached = False
 
@@ -72,14 +94,15 @@ class GCPauses:
         if phase == "start":
             self._start = time.perf_counter()
         elif self._start is not None:
-            self.pending.append(
-                (int(info.get("generation", -1)), time.perf_counter() - self._start)
-            )
+            generation = int(info.get("generation", -1))
+            took = time.perf_counter() - self._start
+            (self.full if generation == 2 else self.young).append((generation, took))
             self._start = None
 
     def drain(self) -> Iterator[tuple[int, float]]:
-        while self.pending:
-            yield self.pending.popleft()
+        for pending in (self.young, self.full):
+            while pending:
+                yield pending.popleft()
 
     def attach(self) -> None:
         if not self.attached:
