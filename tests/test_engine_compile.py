@@ -302,11 +302,18 @@ def test_the_compiled_pass_takes_every_pass_over_all_rows_padded_and_changes_not
 
 
 @pytest.mark.slow
-def test_the_inductor_compiled_pass_serves_the_loop_exactly_from_one_graph(tiny_models):
+def test_the_inductor_compiled_pass_serves_the_loop_exactly_from_one_graph(
+    tiny_models, monkeypatch
+):
     """`LeanRunner.compile` with inductor (frozen weights, max-autotune GEMMs on a CPU): rows of
     plain and n-gram arms joining and leaving give target-only greedy output, every step
-    through the one warm graph (a pass it could not take would fail here)."""
+    through the one warm graph (a pass it could not take would fail here). Dynamo traces the
+    pass once (the norm epsilon traced as a symbol failed inductor's scalar pass, and dynamo
+    restarted and compiled it again)."""
+    import logging
     import threading
+
+    import torch._dynamo.convert_frame as convert_frame
 
     from pipeline.serving.scheduler import Job, Scheduler
     from pipeline.speculative.arms import parse_arm
@@ -319,9 +326,20 @@ def test_the_inductor_compiled_pass_serves_the_loop_exactly_from_one_graph(tiny_
     batch = RowBatch(eng, 3)
     batch._caches()  # the runner for the loop's context (`prepare`)
     run = target._phoenix_runner
+    restarts = []
+
+    class Restarts(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("Restarting analysis"):
+                restarts.append(record.getMessage())
+
+    handler = Restarts(logging.INFO)
+    monkeypatch.setattr(convert_frame.log, "level", logging.INFO)
+    convert_frame.log.addHandler(handler)
     try:
         run.compile()
         warm_up(target)
+        assert restarts == []
         run.stance, before = "fail_on_recompile", run.graph_passes
         loop, done = Scheduler(batch), threading.Semaphore(0)
         jobs = [Job(ids_for(tok, t), 20, parse_arm(a), lambda job: done.release(), epoch=0)
@@ -332,6 +350,7 @@ def test_the_inductor_compiled_pass_serves_the_loop_exactly_from_one_graph(tiny_
             assert done.acquire(timeout=300)
         loop.stop()
     finally:
+        convert_frame.log.removeHandler(handler)
         run.uncompile()
         run.stance = None
     texts = [t for t in PROMPTS for _ in range(2)]

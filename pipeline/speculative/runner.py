@@ -313,7 +313,11 @@ def warm_up(model, taps: Sequence[Sequence[int]] = ((),), on_shape=None) -> None
         # Inductor's settings must hold while dynamo traces too (freezing decides how it sees
         # the weights), so they are set around the calls that compile, not given to compile.
         runner.stance = "default"  # compiling allowed (serving: not)
-        with torch._inductor.config.patch(runner.options):
+        # Floats specialised (the models' norm epsilon): traced as a symbol, it failed inductor's
+        # scalar pass and dynamo traced and compiled the whole pass again with it specialised,
+        # a third of each graph's compile time thrown away (docs/measurements.md).
+        with (torch._inductor.config.patch(runner.options),
+              torch._dynamo.config.patch(specialize_float=True)):  # fmt: skip
             _warm(model, cache, shapes, on_shape)
         runner.stance = "fail_on_recompile"  # each set of taps: the graph is there (else raise)
         _warm(model, cache, [(r, n, t) for r, n, t in shapes if (r, n) == WARM[1]])
