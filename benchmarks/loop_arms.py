@@ -1,6 +1,6 @@
 """The step loop in process (no server): 1 and 8 rows of one arm, the held-out prompts, 48 tokens.
 
-    .venv/bin/python -m benchmarks.loop_arms [--mixed | --grid | --profile | --compile-pass | --slots | --pools | --catch-up | --kept ROWS]
+    .venv/bin/python -m benchmarks.loop_arms [--mixed | --grid | --profile | --compile-pass | --slots | --pools | --catch-up | --kept ROWS | --alone]
         [--arms 0 ngram:4 eagle:4] [--set k=v ...]
 
 Prints per arm and row count: steps, wall seconds, tokens/s, mean step, and the loop's measured
@@ -22,6 +22,9 @@ torch op and idles (its OpenMP pool alive: libgomp then stops spinning on these 
 alone again after that thread ended.
 `--catch-up --arms eagle:2`: 8 rows held back 0, 10 and 30 steps, then guessing: the step that
 ends the hold (the head reads every state held back) and the two after it.
+`--alone --arms 0 ngram:4 eagle:2`: one row of each arm alone, over 16 prompts in turns: tokens/s
+and a step's tokens and milliseconds, against the goodput policy's prediction for it alone (its
+ranking at one client), taught what these rows measured.
 `--mixed`: instead, 16 rows: all plain, against 10 plain + 6 bandit (adaptive) ngram:4 rows that
 the per-step gate holds back, and the same 6 guessing; twice, alternated. Needs a workspace with
 the split (`make demo`, or `python -m pipeline split`). `--set models.dtype=float32` (or
@@ -61,6 +64,50 @@ def mixed(pair, prompts) -> None:
                                  ("10 plain + 6 ngram:4 held back", six, held),
                                  ("10 plain + 6 ngram:4 guessing", six, None)):  # fmt: skip
             print(f"{name}: {run(arms, gate):.1f} tok/s", flush=True)
+
+
+def alone(pair, cfg, prompts, arms: list[str]) -> None:
+    """Each of `arms` serving one row alone, prompt by prompt (48 tokens; the arms take turns,
+    the order reversed every other prompt): tokens/s and tokens a step, and what the goodput
+    policy predicts for each arm alone once taught the acceptance these rows saw, on the step
+    and head curves they measured (`GoodputBandit.predict`: the bandit's ranking at one
+    client)."""
+    from pipeline.serving.policy import make_bandit
+    from pipeline.speculative.bandit import Context
+
+    b = RowBatch(pair.engine, max_rows=1)
+    bandit = make_bandit(cfg.bandit, arms, "goodput")
+    got = {a: [0, 0, 0.0] for a in arms}  # tokens, steps, seconds
+    for a in arms:  # warm: each arm's shapes once
+        b.join([("warm", prompts[0], 8, parse_arm(a))])
+        while b.rows:
+            b.step()
+    for i, prompt in enumerate(prompts):
+        for a in arms if i % 2 == 0 else arms[::-1]:
+            b.join([(i, prompt, 48, parse_arm(a))])
+            t0, finished = time.perf_counter(), []
+            while b.rows:
+                finished += b.step()
+            wall = time.perf_counter() - t0
+            res = finished[0][0].result(finished[0][1])
+            g = got[a]
+            g[0], g[1], g[2] = g[0] + res.output_tokens, g[1] + res.rounds, g[2] + wall
+            if parse_arm(a).k:
+                elig = res.eligible_per_position
+                positions = (res.rounds if elig is None else elig, res.proposed_per_position,
+                             res.accepted_per_position)  # fmt: skip
+                bandit.update(a, res.output_tokens / wall, None, res.acceptance, wall,
+                              positions=positions)  # fmt: skip
+    ctx = Context(rows=1, step_cost=b.cost.curve(1),
+                  head_cost=b.head_cost.curve() if b.head_cost.seen else None,
+                  draft_cost=b.draft_cost.curve() if b.draft_cost.seen else None)  # fmt: skip
+    for a in arms:
+        tokens, steps, wall = got[a]
+        pred = bandit.predict(a, ctx)
+        said = "-" if pred is None else f"{pred:.2f} tok/s"
+        print(f"{a:8s} alone, {len(prompts)} prompts: {tokens / wall:.2f} tok/s, "
+              f"{tokens / steps:.2f} tokens a step, {1000 * wall / steps:.2f} ms a step; "
+              f"predicted {said}", flush=True)  # fmt: skip
 
 
 def kept(pair, cfg, prompts, arm: str, width: int = 4, n: int = 16,
@@ -452,6 +499,11 @@ def main() -> None:
         help="ROWS rows kept full over 16 prompts: plain, the first of --arms held back, guessing, gated",
     )
     ap.add_argument("--temperature", type=float, default=0.0, help="--kept: sample at this")
+    ap.add_argument(
+        "--alone",
+        action="store_true",
+        help="each of --arms alone over 16 prompts, in turns: tok/s and the policy's prediction",
+    )
     ap.add_argument("--set", action="append", default=[], help="config key=value")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -495,6 +547,9 @@ def main() -> None:
         return
     if args.kept:
         kept(pair, cfg, prompts, args.arms[0], args.kept, temperature=args.temperature)
+        return
+    if args.alone:
+        alone(pair, cfg, prompts, args.arms)
         return
     for arm in args.arms:
         for rows in (1, 8):
