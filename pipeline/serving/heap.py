@@ -25,14 +25,10 @@ inside the collection.
 from __future__ import annotations
 
 import gc
-import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-
-log = logging.getLogger(__name__)
-
 
 _lock = threading.Lock()
 _holders = 0  # servers (and benches) in this process that froze the heap and have not let go

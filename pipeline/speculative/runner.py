@@ -22,8 +22,8 @@ graph (every step does; a joiner's prefill over some of the rows runs eager), an
 shape the graph cannot take runs eager rather than compile in a request (`stance`). On a CPU
 inductor freezes the weights and times its own GEMM kernels against ATen's (max-autotune): on
 the Intel Xeon with AMX that ran the pass 1.35-1.65x faster than eager, the server's
-target-only tokens/s 1.4-1.5x (docs/measurements.md, 2026-12-07), after about two minutes of
-compiling per graph (one, and one more with an EAGLE-3 head's taps).
+target-only tokens/s 1.4-1.5x (docs/measurements.md, 2026-12-07), after about three minutes
+of compiling at every start (a graph, one more with an EAGLE-3 head's taps, the draft's).
 """
 
 from __future__ import annotations
