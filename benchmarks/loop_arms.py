@@ -1,6 +1,6 @@
 """The step loop in process (no server): 1 and 8 rows of one arm, the held-out prompts, 48 tokens.
 
-    .venv/bin/python -m benchmarks.loop_arms [--mixed | --grid | --profile | --compile-pass | --slots | --pools | --catch-up | --kept ROWS | --alone]
+    .venv/bin/python -m benchmarks.loop_arms [--mixed | --grid | --profile | --compile-pass | --slots | --pools | --catch-up | --kept ROWS | --held ROWS | --feeds ROWS | --alone]
         [--arms 0 ngram:4 eagle:4] [--set k=v ...]
 
 Prints per arm and row count: steps, wall seconds, tokens/s, mean step, and the loop's measured
@@ -22,6 +22,13 @@ torch op and idles (its OpenMP pool alive: libgomp then stops spinning on these 
 alone again after that thread ended.
 `--catch-up --arms eagle:2`: 8 rows held back 0, 10 and 30 steps, then guessing: the step that
 ends the hold (the head reads every state held back) and the two after it.
+`--held 16 --arms 0 eagle:2 ngram:4`: 16 rows kept full over 32 prompts, every row of an arm held
+back by the gate at every step (a bandit's rows where it does not guess), the arms in turns over
+4 rounds: tokens/s and the median step per arm, and each arm's mean against the first's (what a
+row that carries an arm and does not guess costs the batch).
+`--feeds 16`: one target pass over 16 rows (their prompts read, a few steps made) by the tokens each
+row is fed: all 1 (a plain step), one row 3 or 5 (one row guessing 2 or 4), four rows 3, all 2,
+3 and 5; the median of 12 passes, the shapes alternated (what a batch's first guesses cost).
 `--alone --arms 0 ngram:4 eagle:2`: one row of each arm alone, over 16 prompts in turns: tokens/s
 and a step's tokens and milliseconds, against the goodput policy's prediction for it alone (its
 ranking at one client), taught what these rows measured.
@@ -64,6 +71,86 @@ def mixed(pair, prompts) -> None:
                                  ("10 plain + 6 ngram:4 held back", six, held),
                                  ("10 plain + 6 ngram:4 guessing", six, None)):  # fmt: skip
             print(f"{name}: {run(arms, gate):.1f} tok/s", flush=True)
+
+
+def held(pair, prompts, arms: list[str], width: int = 16, n: int = 32, rounds: int = 4) -> None:
+    """`width` rows kept full over `n` prompts (48 tokens each), every row of the arm held back
+    by the gate at every step, for each of `arms` in turns (the order reversed every other
+    round): tokens/s and median step per run, then each arm's mean tokens/s against the
+    first arm's."""
+    from statistics import mean, median
+
+    hold = lambda rows: [0] * len(rows)  # noqa: E731 - the gate caps every row at 0
+
+    def run(arm: str, count: int) -> tuple[float, float]:
+        b = RowBatch(pair.engine, max_rows=16)
+        todo, tokens, steps = list(range(count)), 0, []
+        t0 = time.perf_counter()
+        while todo or b.rows:
+            while todo and len(b.rows) < width:
+                i = todo.pop(0)
+                for r in b.join([(i, prompts[i % len(prompts)], 48, parse_arm(arm))]):
+                    r.adaptive = True
+            s0 = time.perf_counter()
+            finished = b.step(gate=hold)
+            steps.append(time.perf_counter() - s0)
+            tokens += sum(len(r.out) for r, _ in finished)
+        return tokens / (time.perf_counter() - t0), 1000 * median(steps)
+
+    run(arms[0], width)  # warm
+    got: dict[str, list[float]] = {a: [] for a in arms}
+    for rnd in range(rounds):
+        for arm in arms if rnd % 2 == 0 else arms[::-1]:
+            tps, ms = run(arm, n)
+            got[arm].append(tps)
+            print(f"round {rnd + 1}, {arm} held back: {tps:.1f} tok/s, median step {ms:.1f} ms",
+                  flush=True)  # fmt: skip
+    base = mean(got[arms[0]])
+    for arm, v in got.items():
+        print(f"{width} rows, {arm} held back: mean {mean(v):.1f} tok/s ({min(v):.1f}-{max(v):.1f}),"
+              f" {mean(v) / base:.3f}x {arms[0]}", flush=True)  # fmt: skip
+
+
+def feeds(pair, prompts, width: int = 16, repeat: int = 12) -> None:
+    """One target pass over `width` rows by the tokens each row is fed (module docstring); each
+    pass's rows cropped back after it, so every shape reads the same caches."""
+    from statistics import median
+
+    from pipeline.speculative.rows import target_logits
+
+    b = RowBatch(pair.engine, max_rows=16)
+    b.join([(i, prompts[i % len(prompts)], 48, parse_arm("0")) for i in range(width)])
+    for _ in range(3):
+        b.step()
+    tc, _ = b._caches()
+    rows = list(b.rows)
+    slots = [r.tslot for r in rows]
+    print(f"{width} rows at {min(tc.lengths[s] for s in slots)}-"
+          f"{max(tc.lengths[s] for s in slots)} positions", flush=True)  # fmt: skip
+    rest = lambda first: first + [1] * (width - len(first))  # noqa: E731
+    shapes = {"all 1": [1] * width, "one 3": rest([3]), "one 5": rest([5]),
+              "four 3": rest([3] * min(4, width)), "all 2": [2] * width,
+              "all 3": [3] * width, "all 5": [5] * width}  # fmt: skip
+
+    def once(sizes: list[int]) -> float:
+        fed = [[r.seq[-1]] * n for r, n in zip(rows, sizes, strict=True)]
+        lengths = [tc.lengths[s] for s in slots]
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            target_logits(pair.engine.target, tc, slots, fed)
+        dt = time.perf_counter() - t0
+        for s, n in zip(slots, lengths, strict=True):
+            tc.crop(s, n)
+        return dt
+
+    times: dict[str, list[float]] = {k: [] for k in shapes}
+    for rep in range(repeat):
+        for k in shapes if rep % 2 == 0 else list(shapes)[::-1]:
+            times[k].append(once(shapes[k]))
+    base = median(times["all 1"])
+    for k, v in times.items():
+        print(f"{k}: {sum(shapes[k])} tokens fed, {1000 * median(v):.1f} ms "
+              f"({median(v) / base:.2f}x all 1)", flush=True)  # fmt: skip
 
 
 def alone(pair, cfg, prompts, arms: list[str]) -> None:
@@ -452,9 +539,9 @@ def grid(pair, prompts, arm: str) -> None:
             b.join([(i, prompts[i], 48, parse_arm(arm if i < g else "0")) for i in range(n)])
             seen: list[tuple[int, int, float]] = []
 
-            def observe(fed, sec, b=b, seen=seen, inner=b.cost.observe):
+            def observe(fed, sec, rows=None, b=b, seen=seen, inner=b.cost.observe):
                 seen.append((len(b.rows), fed, sec))
-                inner(fed, sec)
+                inner(fed, sec, rows)
 
             b.cost.observe = observe
             while b.rows:
@@ -497,6 +584,18 @@ def main() -> None:
         type=int,
         metavar="ROWS",
         help="ROWS rows kept full over 16 prompts: plain, the first of --arms held back, guessing, gated",
+    )
+    ap.add_argument(
+        "--held",
+        type=int,
+        metavar="ROWS",
+        help="ROWS rows kept full, each of --arms held back in turns: what a held-back row costs",
+    )
+    ap.add_argument(
+        "--feeds",
+        type=int,
+        metavar="ROWS",
+        help="one target pass over ROWS rows by the tokens each is fed (a batch's first guesses)",
     )
     ap.add_argument("--temperature", type=float, default=0.0, help="--kept: sample at this")
     ap.add_argument(
@@ -547,6 +646,12 @@ def main() -> None:
         return
     if args.kept:
         kept(pair, cfg, prompts, args.arms[0], args.kept, temperature=args.temperature)
+        return
+    if args.feeds:
+        feeds(pair, prompts, args.feeds)
+        return
+    if args.held:
+        held(pair, prompts, args.arms, args.held)
         return
     if args.alone:
         alone(pair, cfg, prompts, args.arms)

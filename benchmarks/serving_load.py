@@ -73,6 +73,12 @@ def sweep_modes(
         got = loadtest.interleaved(ep, model, batch, c, args.tokens, extras, args.rounds,
                                    stream=args.stream)  # fmt: skip
         for label, p in got.items():
+            if not p["succeeded"]:  # say why (a mode the server refuses), not a TypeError
+                raise SystemExit(f"serving_load: mode {label} at {c} clients: all {p['requests']} "
+                                 f"requests failed, e.g. {p['error_examples'][0]}")  # fmt: skip
+            if p["errors"]:
+                print(f"{label} c={c}: {p['errors']} requests failed, e.g. {p['error_examples'][:1]}",
+                      flush=True)  # fmt: skip
             points[label][c] = p
             print(f"{label} c={c}: {p['tokens_per_second']:.2f} tok/s, p95 "
                   f"{p['p95_latency_s']:.2f} s, arms {p['arms']}", flush=True)  # fmt: skip
@@ -211,10 +217,15 @@ def verdict(phoenix: dict, peers: dict, clients: list[int]) -> list[str]:
             vs_t = spread(round_ratios(modes["bandit"][c], modes["target"][c]))
             vs_b = spread(round_ratios(modes["bandit"][c], modes[best][c]))
             top = tps(modes[best], c)
+            # No step of the bandit's rows guessed: it ran target-only's computation, and its
+            # ratio is how far the run's slices of identical work drift apart (`loop_arms --held`).
+            same = "" if modes["bandit"][c].get("guessing_steps_share") else (
+                "; no bandit row guessed a token here: it served as target-only does, so this "
+                "ratio is the run's drift between identical work")  # fmt: skip
             lines.append(
                 f"- {c} client(s): bandit {b:.2f} tok/s = **{b / t:.2f}x** target-only "
                 f"({vs_t or 'no rounds'}), **{b / top:.2f}x** the best single mode ({best}, "
-                f"{top:.2f}; {vs_b or 'no rounds'}); arms {modes['bandit'][c]['arms']}"
+                f"{top:.2f}; {vs_b or 'no rounds'}); arms {modes['bandit'][c]['arms']}{same}"
             )
         if 8 in clients:
             pb, pt = modes["bandit"][8]["p95_latency_s"], modes["target"][8]["p95_latency_s"]

@@ -466,3 +466,45 @@ def test_a_benched_draft_names_its_own_weights(tmp_path):
     assert draft_spec(cfg, ws, "base") == cfg.models.draft
     assert draft_spec(cfg, ws, "distilled") == str(ws.merged)
     assert draft_spec(cfg, ws, head) == head
+
+
+def test_serving_load_names_a_mode_the_server_refuses(merged_ws, tmp_path, monkeypatch):
+    """A mode outside the server's configured arms gets 400 for every request: the sweep stops
+    with the mode and the server's own message (it crashed formatting an empty point)."""
+    import sys
+
+    from benchmarks import serving_load
+    from pipeline.config import load_config
+    from pipeline.server import build_app
+    from pipeline.workspace import Workspace
+
+    art = copy_workspace(merged_ws, tmp_path / "art")
+    app = build_app(load_config("configs/ci.yaml"), Workspace(art))
+    with ServerThread(app) as s:
+        wait_http(s.url + "/health")
+        argv = ["serving_load", "--config", "configs/ci.yaml", "--artifacts", str(art),
+                "--url", s.url, "--clients", "1", "--requests", "2", "--tokens", "4",
+                "--rounds", "1", "--modes", "target", "ngram:7"]  # fmt: skip
+        monkeypatch.setattr(sys, "argv", argv)
+        with pytest.raises(SystemExit) as exc:
+            serving_load.main()
+    message = str(exc.value)
+    assert "mode ngram:7 at 1 clients: all 2 requests failed" in message
+    assert "not one of the configured arms" in message
+
+
+def test_the_verdict_says_where_the_bandit_served_as_target_only():
+    """A point where no bandit row guessed is target-only's computation: its line says so (the
+    ratio is the run's drift); a point where rows guessed does not."""
+    from benchmarks.serving_load import verdict
+
+    def point(tps, share):
+        return {"tokens_per_second": tps, "round_tokens_per_second": [tps, tps],
+                "arms": {"eagle:2": 4}, "guessing_steps_share": share,
+                "p95_latency_s": 1.0}  # fmt: skip
+
+    modes = {"target": {4: point(100.0, None), 16: point(200.0, None)},
+             "bandit": {4: point(110.0, 0.9), 16: point(199.0, 0.0)}}  # fmt: skip
+    lines = verdict({"modes": modes}, {}, [4, 16])
+    assert "no bandit row guessed" not in lines[0] and "**1.10x** target-only" in lines[0]
+    assert "no bandit row guessed a token here" in lines[1] and "**0.99x**" in lines[1]
