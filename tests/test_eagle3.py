@@ -69,6 +69,22 @@ def test_propose_keeps_only_committed_positions_and_matches_a_fresh_cache(target
     assert later == head.propose(seq[:20], aux[:19], HeadCache(), 3)
 
 
+def test_a_head_cache_grows_and_crops_as_one_long_concatenation():
+    """Appends past the buffer's capacity (64, then doubled), with crops between them, read
+    back exactly what concatenating the kept positions gives."""
+    torch.manual_seed(0)
+    cache, kept_k, kept_v = HeadCache(), torch.zeros(1, 3, 0, 8), torch.zeros(1, 3, 0, 8)
+    for n, crop in ((40, 38), (30, 60), (1, 61), (90, 150)):
+        k, v = torch.randn(1, 3, n, 8), torch.randn(1, 3, n, 8)
+        got_k, got_v = cache.append(k, v)
+        kept_k, kept_v = torch.cat([kept_k, k], 2), torch.cat([kept_v, v], 2)
+        assert torch.equal(got_k, kept_k) and torch.equal(got_v, kept_v)
+        cache.crop(crop)
+        kept_k, kept_v = kept_k[:, :, :crop], kept_v[:, :, :crop]
+        assert cache.length == kept_k.shape[2]
+    assert cache.k.shape[2] == 256  # 64, 128, then 256 for 150 + 90 positions
+
+
 def test_rows_drafting_together_guess_what_each_guesses_alone(target):
     """`draft_many`: sequences of different lengths and caches, each with its own k (1 included),
     one head pass per position over all of them, score and guess what each does alone (the
