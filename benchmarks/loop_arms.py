@@ -22,8 +22,8 @@ torch op and idles (its OpenMP pool alive: libgomp then stops spinning on these 
 alone again after that thread ended.
 `--catch-up --arms eagle:2`: 8 rows held back 0, 10 and 30 steps, then guessing: the step that
 ends the hold (the head reads every state held back) and the two after it.
-`--held 16 --arms 0 eagle:2 ngram:4`: 16 rows kept full over 32 prompts, every row of an arm held
-back by the gate at every step (a bandit's rows where it does not guess), the arms in turns over
+`--held 16 --arms 0 eagle:2 ngram:4`: 16 rows kept full over 32 requests (the 16 held-out prompts
+twice), every row of an arm held back by the gate at every step (a bandit's rows where it does not guess), the arms in turns over
 4 rounds: tokens/s and the median step per arm, and each arm's mean against the first's (what a
 row that carries an arm and does not guess costs the batch).
 `--feeds 16`: one target pass over 16 rows (their prompts read, a few steps made) by the tokens each
@@ -74,16 +74,18 @@ def mixed(pair, prompts) -> None:
 
 
 def held(pair, prompts, arms: list[str], width: int = 16, n: int = 32, rounds: int = 4) -> None:
-    """`width` rows kept full over `n` prompts (48 tokens each), every row of the arm held back
-    by the gate at every step, for each of `arms` in turns (the order reversed every other
-    round): tokens/s and median step per run, then each arm's mean tokens/s against the
-    first arm's."""
+    """`width` rows kept full over `n` requests (the prompts in turn, 48 tokens each), every row
+    of the arm held back by the gate at every step, for each of `arms` in turns (the order
+    reversed every other round): tokens/s and median step per run, then each arm's mean
+    tokens/s against the first arm's."""
     from statistics import mean, median
+
+    arms = list(dict.fromkeys(arms))  # each arm once a round (the default list repeats "0")
 
     hold = lambda rows: [0] * len(rows)  # noqa: E731 - the gate caps every row at 0
 
     def run(arm: str, count: int) -> tuple[float, float]:
-        b = RowBatch(pair.engine, max_rows=16)
+        b = RowBatch(pair.engine, max_rows=max(16, width))
         todo, tokens, steps = list(range(count)), 0, []
         t0 = time.perf_counter()
         while todo or b.rows:
@@ -118,7 +120,7 @@ def feeds(pair, prompts, width: int = 16, repeat: int = 12) -> None:
 
     from pipeline.speculative.rows import target_logits
 
-    b = RowBatch(pair.engine, max_rows=16)
+    b = RowBatch(pair.engine, max_rows=max(16, width))
     b.join([(i, prompts[i % len(prompts)], 48, parse_arm("0")) for i in range(width)])
     for _ in range(3):
         b.step()

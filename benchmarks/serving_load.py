@@ -74,7 +74,7 @@ def sweep_modes(
                                    stream=args.stream)  # fmt: skip
         for label, p in got.items():
             if not p["succeeded"]:  # say why (a mode the server refuses), not a TypeError
-                raise SystemExit(f"serving_load: mode {label} at {c} clients: all {p['requests']} "
+                raise SystemExit(f"serving_load: mode {label} at {c} client(s): all {p['requests']} "
                                  f"requests failed, e.g. {p['error_examples'][0]}")  # fmt: skip
             if p["errors"]:
                 print(f"{label} c={c}: {p['errors']} requests failed, e.g. {p['error_examples'][:1]}",
@@ -217,9 +217,13 @@ def verdict(phoenix: dict, peers: dict, clients: list[int]) -> list[str]:
             vs_t = spread(round_ratios(modes["bandit"][c], modes["target"][c]))
             vs_b = spread(round_ratios(modes["bandit"][c], modes[best][c]))
             top = tps(modes[best], c)
-            # No step of the bandit's rows guessed: it ran target-only's computation, and its
-            # ratio is how far the run's slices of identical work drift apart (`loop_arms --held`).
-            same = "" if modes["bandit"][c].get("guessing_steps_share") else (
+            # No step of the bandit's rows guessed (or it gave every request plain): it ran
+            # target-only's computation, and its ratio is how far the run's slices of identical
+            # work drift apart (`loop_arms --held`). Unknown (no counters) is not "none".
+            point = modes["bandit"][c]
+            share = point.get("guessing_steps_share")
+            plain = share is None and set(point["arms"]) <= {"0"}
+            same = "" if not (share == 0 or plain) else (
                 "; no bandit row guessed a token here: it served as target-only does, so this "
                 "ratio is the run's drift between identical work")  # fmt: skip
             lines.append(

@@ -489,7 +489,7 @@ def test_serving_load_names_a_mode_the_server_refuses(merged_ws, tmp_path, monke
         with pytest.raises(SystemExit) as exc:
             serving_load.main()
     message = str(exc.value)
-    assert "mode ngram:7 at 1 clients: all 2 requests failed" in message
+    assert "mode ngram:7 at 1 client(s): all 2 requests failed" in message
     assert "not one of the configured arms" in message
 
 
@@ -504,7 +504,9 @@ def test_the_verdict_says_where_the_bandit_served_as_target_only():
                 "p95_latency_s": 1.0}  # fmt: skip
 
     modes = {"target": {4: point(100.0, None), 16: point(200.0, None)},
-             "bandit": {4: point(110.0, 0.9), 16: point(199.0, 0.0)}}  # fmt: skip
+             "bandit": {4: point(110.0, 0.9), 16: point(198.0, 0.0)}}  # fmt: skip
     lines = verdict({"modes": modes}, {}, [4, 16])
     assert "no bandit row guessed" not in lines[0] and "**1.10x** target-only" in lines[0]
     assert "no bandit row guessed a token here" in lines[1] and "**0.99x**" in lines[1]
+    modes["bandit"][4]["guessing_steps_share"] = None  # no counters: not known to be plain
+    assert "no bandit row guessed" not in verdict({"modes": modes}, {}, [4])[0]

@@ -82,7 +82,7 @@ def test_a_head_cache_grows_and_crops_as_one_long_concatenation():
         cache.crop(crop)
         kept_k, kept_v = kept_k[:, :, :crop], kept_v[:, :, :crop]
         assert cache.length == kept_k.shape[2]
-    assert cache.k.shape[2] == 256  # 64, 128, then 256 for 150 + 90 positions
+    assert cache.k.shape[2] == 256  # 64, 128 at 68 positions, 256 at 61 + 90
 
 
 def test_rows_drafting_together_guess_what_each_guesses_alone(target):
