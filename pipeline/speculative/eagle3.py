@@ -185,11 +185,9 @@ class HeadCache:
             cap = max(end, 2 * (0 if self.k is None else self.k.shape[2]), 64)
             with torch.inference_mode(False):  # plain tensors, written in or out of that mode
                 grown = [t.new_empty(*t.shape[:2], cap, t.shape[3]) for t in (k, v)]
-            if self.k is not None:
-                grown[0][:, :, :start], grown[1][:, :, :start] = (
-                    self.k[:, :, :start],
-                    self.v[:, :, :start],
-                )
+            for new, old in zip(grown, (self.k, self.v), strict=True):
+                if old is not None:
+                    new[:, :, :start] = old[:, :, :start]
             self.k, self.v = grown
         self.k[:, :, start:end], self.v[:, :, start:end] = k, v
         self.length = end
