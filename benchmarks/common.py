@@ -1,7 +1,7 @@
 """What the benchmark scripts share: the environment header, running a stage or a server the way a
 user does (`python -m pipeline ...`), timing one model step, and writing results.
 
-Scripts run from the repository root as modules: `.venv/bin/python -m benchmarks.engine`.
+Scripts run from the repository root as modules: `.venv/bin/python -m benchmarks.serving_load`.
 """
 
 from __future__ import annotations
@@ -14,11 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import requests
-import torch
 
 from pipeline import models
 from pipeline.bench import environment as _environment
-from pipeline.speculative.steps import ModelStep, crop_to
 from pipeline.subprocs import PREEXEC, free_port, stop
 from pipeline.teacher import serve_command
 from pipeline.workspace import atomic_write_json, atomic_write_text
@@ -132,22 +130,3 @@ def chat(url: str, model: str, text: str, tokens: int, phoenix: dict | None = No
     return r.json()
 
 
-def step_ms(step: ModelStep, prompt: list[int], steps: int, feed: int = 1) -> float:
-    """Median milliseconds of one step after a prefill of `prompt`: a target step (`feed`
-    tokens: 1 = decode, k+1 = a verify) or a draft step (`feed` 0: one token, its next token);
-    the cache is cut back after each step so every step sees the same length."""
-    keep = (lambda n: (n,)) if feed else (lambda n: ())
-    cache = step.new_cache()
-    step(prompt, cache, *keep(1))
-    n = len(prompt)
-    sync = torch.cuda.synchronize if step.device.type == "cuda" else (lambda: None)
-    times = []
-    for i in range(steps + 3):
-        sync()
-        t0 = time.perf_counter()
-        step(prompt[i % n : i % n + 1] * max(feed, 1), cache, *keep(max(feed, 1)))
-        sync()
-        times.append(time.perf_counter() - t0)
-        crop_to(cache, n)
-    times = sorted(times[3:])
-    return 1000 * times[len(times) // 2]  # the median: robust to a noisy neighbour

@@ -436,20 +436,21 @@ SELF = "self"  # load_pair's draft: the target drafting for itself (every guess 
 
 @dataclass
 class Pair:
-    """A loaded target (+ draft) with its tokenizer and the engine over them."""
+    """A loaded target (+ draft, + head) with its tokenizer: what the step loop runs over
+    (`models`, a `speculative.loaded.Models`) and where it came from."""
 
     tokenizer: Any
-    engine: Any  # speculative.engine.SpeculativeEngine
+    models: Any  # speculative.loaded.Models
     target_ref: str
     draft_ref: str | None  # None: target only; SELF: the target drafts for itself
 
     @property
     def target(self):
-        return self.engine.target
+        return self.models.target
 
     @property
     def draft(self):
-        return self.engine.draft
+        return self.models.draft
 
 
 TOKEN_COUNTS = "token_counts.json"  # beside a trained draft: its training answers' token counts
@@ -532,7 +533,7 @@ def load_pair(
     full_head: bool = False,
     head_dir: str | None = FROM_CONFIG,
 ) -> Pair:
-    """The one loader: target, draft, tokenizer and engine per config, for the server, the bench
+    """The one loader: target, draft, head and tokenizer per config, for the server, the bench
     and every benchmark script. `draft`: a spec (`cfg.models.draft`, a merged directory, `cut:N`),
     None (target only), or SELF. `share_target`: take the target and tokenizer of a pair already
     loaded (the bench measures several drafts against one target). `head_dir`: the EAGLE-3
@@ -541,7 +542,7 @@ def load_pair(
     (`cpu_dtype`) and the models' linear layers take the matmul form this CPU runs faster at
     each number of rows (`speculative.cpu`)."""
     from .speculative.cpu import choose_linears, use_linears
-    from .speculative.engine import SpeculativeEngine
+    from .speculative.loaded import Models
 
     m = cfg.models
     device = pick_device(m.device)
@@ -589,17 +590,8 @@ def load_pair(
                 use_linears(model, model._phoenix_linears)
                 log.info("%s linears (%s): %s", name, dtype,
                          model._phoenix_linears.describe())  # fmt: skip
-    engine = SpeculativeEngine(
-        target,
-        draft_model,
-        eos_token_ids=eos,
-        pad_token_id=tok.pad_token_id,
-        static_len=cfg.engine.max_context if cfg.engine.compile != "false" else None,
-        draft_token_ids=subset,
-        share_target=share_target.engine if share_target is not None else None,
-        head=head,
-    )
-    return Pair(tok, engine, target_ref, draft_ref)
+    loaded = Models(target, draft_model, eos, tok.pad_token_id, subset, head)
+    return Pair(tok, loaded, target_ref, draft_ref)
 
 
 def load_target_for_head(cfg, ws):
@@ -669,20 +661,6 @@ def is_eagle3(ref: str) -> bool:
         return False
 
 
-GQA_ENV = "TRANSFORMERS_SDPA_FORCE_GQA"
-
-
-def use_cpu_gqa() -> None:
-    """For a CPU engine's compiled steps: SDPA's grouped-query attention with the static
-    cache's mask (transformers' TRANSFORMERS_SDPA_FORCE_GQA), instead of copying every
-    key/value head `num_heads / num_kv_heads` times over the whole cache length at every step
-    (README, issue 16). Process-wide: compiled graphs guard on it, and eager attention gives the
-    same scores either way. CUDA keeps the default: masked GQA takes its slow math kernel there."""
-    import os
-
-    os.environ.setdefault(GQA_ENV, "1")
-
-
 def compile_engine(cfg, ws, pair: Pair) -> bool:
     """Ready a pair's models for the step loop (their lean runners, `speculative.runner`) and,
     per `engine.compile`, compile each one's whole pass as one graph (`LeanRunner.compile`) and
@@ -710,7 +688,7 @@ def compile_engine(cfg, ws, pair: Pair) -> bool:
             raise PhoenixError(msg)
         log.warning("%s: eager", msg)
         return False
-    target, head = pair.target, pair.engine.head
+    target, head = pair.target, pair.models.head
     trun = target._phoenix_runner
     if trun is not None and trun.tried and not trun.compiled:
         return False  # decided eager for this target at start-up: a reload keeps it so
@@ -736,7 +714,7 @@ def compile_engine(cfg, ws, pair: Pair) -> bool:
     eager = {n: step_ms(target, n) for n in probe} if measure else {}
     t0 = time.perf_counter()
     log.info("engine: compiling the step loop's pass (%s): minutes (torch's cache: %s)",
-             pair.engine.device.type, os.environ["TORCHINDUCTOR_CACHE_DIR"])  # fmt: skip
+             pair.models.device.type, os.environ["TORCHINDUCTOR_CACHE_DIR"])  # fmt: skip
     try:
         for m in fresh:
             m._phoenix_runner.compile(backend=cfg.engine.backend)
@@ -761,8 +739,8 @@ def compile_engine(cfg, ws, pair: Pair) -> bool:
                         "this machine (%s, compiled vs eager): running eager", figures)  # fmt: skip
             return False
         log.info("engine.compile=auto: the compiled pass kept (%s, compiled vs eager)", figures)
-    if pair.engine.head is not None:
-        compile_head(pair.engine.head, how, cfg.engine.backend)
+    if pair.models.head is not None:
+        compile_head(pair.models.head, how, cfg.engine.backend)
     return True
 
 

@@ -51,6 +51,14 @@ def tiny_models(tiny_pair):
     )
 
 
+def target_greedy(target, ids: list[int], n: int, eos: int) -> list[int]:
+    """The independent oracle for "speculative output equals the target's": transformers' own
+    greedy `generate` on the target, cut before its end-of-turn token."""
+    out = target.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                          eos_token_id=eos, pad_token_id=eos)[0, len(ids) :].tolist()  # fmt: skip
+    return out[: out.index(eos)] if eos in out else out
+
+
 @pytest.fixture
 def mbpp_path() -> Path:
     if not MBPP.is_file():

@@ -20,7 +20,7 @@ from pipeline import models
 from pipeline.config import load_config
 from pipeline.server import create_app
 from pipeline.serving.core import make_core
-from pipeline.speculative.engine import SpeculativeEngine
+from pipeline.speculative.loaded import Models
 from pipeline.telemetry import setup_telemetry
 from tests.conftest import TINY_TARGET, wait_http
 from tests.servers import ServerThread, Valve
@@ -36,7 +36,7 @@ def main() -> None:
     target, draft = (models.load_model(t, "float32", "cpu") for _ in range(2))
     Valve(target, delay_s=0.02)
     slow = Valve(draft)
-    engine = SpeculativeEngine(target, draft, [tok.eos_token_id])
+    engine = Models(target, draft, [tok.eos_token_id])
     # No exploration: after warm-up the bandit exploits draft:4, so only the guard can stop it.
     cfg = load_config(
         None,

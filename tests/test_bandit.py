@@ -646,7 +646,7 @@ def test_policy_saves_state_at_most_every_interval_on_its_clock(tmp_path):
     from pipeline.serving.policy import make_policy
     from pipeline.serving.request import CoreResult, fixed
     from pipeline.speculative.bandit import Context
-    from pipeline.speculative.engine import GenerationResult
+    from pipeline.speculative.row import GenerationResult
 
     now = [100.0]
     state = tmp_path / "bandit.json"
@@ -872,7 +872,7 @@ def test_the_drift_guard_judges_a_request_at_the_load_it_ran_at(judged_at_its_ru
     from pipeline.serving.policy import make_policy
     from pipeline.serving.request import CoreResult, fixed
     from pipeline.speculative.bandit import Context, Decision
-    from pipeline.speculative.engine import GenerationResult
+    from pipeline.speculative.row import GenerationResult
 
     p = make_policy(BanditConfig(policy="goodput"), ["0", "ngram:4"])
     step = line(0.028, 0.002)  # plain: 1 row 33.3 tok/s, 2 rows 62.5 tok/s a row

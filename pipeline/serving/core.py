@@ -52,7 +52,7 @@ class ServingCore:
         target_spec: str | None = None,
         start: bool = True,
     ):
-        """`limit`: the longest prompt + output a row may reach (default: the engine's);
+        """`limit`: the longest prompt + output a row may reach (default: the models' context);
         `draft_info`: what /v1/models says of the draft (drafts.ServedDraft.describe());
         `start=False`: the loop runs on the caller's thread until `scheduler.start()`
         (`Scheduler`: one thread runs the models)."""
@@ -63,15 +63,15 @@ class ServingCore:
         self.draft_id = draft_id
         self.draft_info = draft_info
         self.target_spec = target_spec or model_id
-        self.has_draft = pair.engine.drafter is not None
-        self.has_head = pair.engine.head is not None
+        self.has_draft = pair.models.drafter is not None
+        self.has_head = pair.models.head is not None
         if not all(usable(a, self.has_draft, self.has_head) for a in policy.arms):
             raise ValueError(
                 f"bandit arms {policy.arms} include draft or eagle arms, and there is no draft "
                 "model or head for them"
             )
         self.default_mode = parse_mode(default_mode, policy.arms, self.has_draft, self.has_head)
-        self.scheduler = Scheduler(RowBatch(pair.engine, max_rows, limit), gate=self._gate,
+        self.scheduler = Scheduler(RowBatch(pair.models, max_rows, limit), gate=self._gate,
                                    start=start)  # fmt: skip
         self._labels = {0: draft_id}  # draft epoch -> the draft's label
         self._gate_memo: tuple[int, int, list[int]] | None = None  # (changes, step, caps)
@@ -81,8 +81,9 @@ class ServingCore:
 
     # -- what the server reads --------------------------------------------------------------------
     @property
-    def engine(self):
-        return self.scheduler.batch.engine
+    def models(self):
+        """The models the step loop runs over now (`speculative.loaded.Models`)."""
+        return self.scheduler.batch.models
 
     @property
     def bandit(self):
@@ -99,7 +100,7 @@ class ServingCore:
     @property
     def compiled(self) -> bool:
         """Whether the target's steps run compiled (`models.compile_engine`)."""
-        runner = getattr(self.engine.target, "_phoenix_runner", None)
+        runner = getattr(self.models.target, "_phoenix_runner", None)
         return runner is not None and runner.compiled
 
     @property
@@ -272,7 +273,7 @@ class ServingCore:
 
         def swap(batch: RowBatch) -> float:
             t0 = time.perf_counter()
-            batch.set_engine(pair.engine)
+            batch.set_models(pair.models)
             self.pair, self.draft_id, self.draft_info = pair, draft_id, draft_info
             self._labels[batch.epoch] = draft_id
             self.policy.forget_draft_arms(draft_weights_of(pair))
@@ -351,7 +352,7 @@ def make_core(
     runnable = [
         a
         for a in cfg.bandit.arms
-        if usable(a, pair.engine.drafter is not None, pair.engine.head is not None)
+        if usable(a, pair.models.drafter is not None, pair.models.head is not None)
     ]
     arms = runnable or ["0"]  # fmt: skip
     weights = draft_weights_of(pair) if state_file is not None else None
