@@ -397,3 +397,26 @@ def test_a_new_head_between_steps_lets_running_eagle_rows_finish_plain_and_exact
         batch.step()
     assert guessed > 0 and row.proposed == guessed  # no guess after the swap
     assert row.out == target_greedy(target, prompt, 16, tok.eos_token_id)
+
+
+def test_a_one_token_prompt_on_an_eagle_arm_is_served_exactly(tiny_models, trained_head):
+    """A prompt of one token feeds the target nothing at join (no state for the head yet):
+    alone or beside a longer prompt, the eagle row joins, guesses from its first step's states
+    on, and its output is the target's own (it was a 500: the prefill of nothing returned no
+    states and join read them)."""
+    from pipeline.speculative.arms import parse_arm
+    from pipeline.speculative.batch import RowBatch
+    from pipeline.speculative.loaded import Models
+
+    tok, target, _ = tiny_models
+    models_ = Models(target, None, [tok.eos_token_id], head=trained_head)
+    longer = models.user_prompt_ids(tok, "Write a function number 2.")
+    one = longer[:1]
+    for group in ([one], [one, longer]):
+        batch = RowBatch(models_, max_rows=2)
+        rows = batch.join([(i, p, 12, parse_arm("eagle:2")) for i, p in enumerate(group)])
+        while batch.rows:
+            batch.step()
+        for r, p in zip(rows, group, strict=True):
+            assert r.out == target_greedy(target, p, 12, tok.eos_token_id)
+        assert rows[0].proposed > 0  # it guessed once it had states
