@@ -117,7 +117,7 @@ def measure(cfg, ws: Workspace, target, spec: str, args, full_head: bool = False
     """Acceptance at fixed k on the held-out prompts, overall and per position, and the
     draft's step cost (eager, one token, the config's pruned head unless `full_head`)."""
     pair = models.load_pair(cfg, ws, spec, share_target=target, full_head=full_head)
-    eng = pair.engine
+    eng = pair.models
     ids = prompt_ids(cfg, target.tokenizer, read_jsonl(ws.test_file)[: args.prompts])
     acc = prop = 0
     pos_acc = [0] * args.k

@@ -128,5 +128,3 @@ def chat(url: str, model: str, text: str, tokens: int, phoenix: dict | None = No
     r = requests.post(url + "/v1/chat/completions", json=body, timeout=900)
     r.raise_for_status()
     return r.json()
-
-

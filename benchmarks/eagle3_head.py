@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import environment, header, step_ms, write_results
-from pipeline import eagle3, models, train
+from pipeline import eagle3, models, specs, train
 from pipeline.artifacts import weights_id
 from pipeline.bench import prompt_ids
 from pipeline.config import load_config
@@ -161,7 +161,7 @@ def main() -> None:
     ws = Workspace(args.artifacts)
     pair = models.load_pair(cfg, ws, None)
     target, tok = pair.target, pair.tokenizer
-    tref = models.resolve(cfg.models.target, ws.models_cache)
+    tref = specs.resolve(cfg.models.target, ws.models_cache)
     test = prompt_ids(cfg, tok, read_jsonl(ws.test_file)[: args.prompts])
     rows = []
     if not args.skip_train or args.name:
@@ -180,7 +180,7 @@ def main() -> None:
             ranked = [[t, n] for t, n in sorted(counts.items(), key=lambda kv: -kv[1]) if n]
             vocab = models.top_tokens(
                 ranked, cfg.engine.draft_vocab or target.config.vocab_size,
-                target.config.vocab_size, sorted(pair.engine.eos_token_ids),
+                target.config.vocab_size, sorted(pair.models.eos_token_ids),
             )  # fmt: skip
             head = eagle3.new_head(target, vocab, args.aux, init=not args.no_init)
             aux_ids = head.config.aux_layer_ids
@@ -224,7 +224,7 @@ def main() -> None:
                 export_dir, target, models.verifier_name(cfg, tref)
             )  # what vLLM gets
         aux_ids = head.config.aux_layer_ids
-        m = replay(head, target, pair.engine, test, args.k, args.tokens, aux_ids)
+        m = replay(head, target, pair.models, test, args.k, args.tokens, aux_ids)
         with torch.no_grad():
             o = target(input_ids=torch.tensor([test[0]]), output_hidden_states=True)
         aux0 = torch.cat([o.hidden_states[a][0] for a in aux_ids], dim=-1)
@@ -232,7 +232,7 @@ def main() -> None:
             "name": name, "kind": "eagle3 (replayed)", "answers": meta.get("rows"),
             "train_s": meta["runtime_s"] + meta.get("states_s", 0.0), "train": meta,
             "measured": m, "draft_ms": head_ms(head, test[0], aux0),
-            "target_ms": step_ms(pair.engine.target_step, test[0], 30),
+            "target_ms": step_ms(pair.models.target_step, test[0], 30),
         })  # fmt: skip
         print(f"{name}: acceptance {m['acceptance']:.3f}, {m['tokens_per_pass']:.2f} tokens/pass")
     for spec in args.drafts:
@@ -241,7 +241,7 @@ def main() -> None:
         rows.append({
             "name": spec, "kind": "draft (engine)", "measured": m,
             "draft_ms": step_ms(dp.engine.drafter.step, test[0], 30, feed=0),
-            "target_ms": step_ms(pair.engine.target_step, test[0], 30),
+            "target_ms": step_ms(pair.models.target_step, test[0], 30),
         })  # fmt: skip
         print(f"{spec}: acceptance {m['acceptance']:.3f}, {m['tokens_per_pass']:.2f} tokens/pass")
     perf = ws.root / "perf"

@@ -28,6 +28,7 @@ import shutil
 import time
 
 import torch
+from pipeline.speculative.engine import SpeculativeEngine
 
 from benchmarks.common import (
     chat,
@@ -39,9 +40,8 @@ from benchmarks.common import (
     table,
     write_results,
 )
-from pipeline import bench, models
+from pipeline import bench, models, specs
 from pipeline.config import load_config
-from pipeline.speculative.engine import SpeculativeEngine
 from pipeline.workspace import Workspace, atomic_write_json, read_jsonl
 
 PARTS = ("steps", "generate", "server")
@@ -52,7 +52,7 @@ def make_engine(cfg, pair, draft, static_len, subset, compiled, arms) -> Specula
     eng = SpeculativeEngine(
         pair.target,
         draft,
-        sorted(pair.engine.eos_token_ids),
+        sorted(pair.models.eos_token_ids),
         pair.tokenizer.pad_token_id,
         static_len=static_len,
         draft_token_ids=subset,
@@ -64,7 +64,7 @@ def make_engine(cfg, pair, draft, static_len, subset, compiled, arms) -> Specula
             arms, mode="reduce-overhead" if cuda else None, backend=cfg.engine.backend
         )
         if not cuda:
-            models.use_cpu_gqa()  # as models.compile_engine compiles for the server
+            models.use_cpu_gqa()  # as compiling.compile_engine compiles for the server
         eng.warm_up(arms)
         print(f"  compiled arms {arms} in {time.perf_counter() - t0:.0f} s", flush=True)
     return eng
@@ -73,7 +73,7 @@ def make_engine(cfg, pair, draft, static_len, subset, compiled, arms) -> Specula
 def head_subset(cfg, ws, pair, draft_ref) -> tuple[list[int], str]:
     vocab = pair.target.config.vocab_size
     n = min(cfg.engine.draft_vocab or 8192, vocab)
-    eos = sorted(pair.engine.eos_token_ids)
+    eos = sorted(pair.models.eos_token_ids)
     try:
         return models.draft_token_ids(cfg, ws, draft_ref, vocab, eos, n), "recorded token counts"
     except Exception:  # noqa: BLE001 - no counts yet: the cost depends on the size alone
@@ -135,10 +135,10 @@ def hf_tok_s(pair, prompts, k, tokens) -> dict:
         kw["assistant_model"] = target
     out, t0 = [], time.perf_counter()
     for ids in prompts:
-        seq = target.generate(torch.tensor([ids], device=pair.engine.device), **kw)[0]
+        seq = target.generate(torch.tensor([ids], device=pair.models.device), **kw)[0]
         out.append(seq[len(ids) :].tolist())
     secs = time.perf_counter() - t0
-    eos = pair.engine.eos_token_ids
+    eos = pair.models.eos_token_ids
     out = [o[: next((i for i, t in enumerate(o) if t in eos), len(o))] for o in out]
     return {"tokens_per_second": sum(map(len, out)) / secs, "acceptance": None, "outputs": out}
 
@@ -310,7 +310,7 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ws.compile_cache / "inductor"))
     rows = read_jsonl(ws.test_file)[: args.prompts]
-    tok = models.load_tokenizer(models.resolve(cfg.models.target, ws.models_cache))
+    tok = models.load_tokenizer(specs.resolve(cfg.models.target, ws.models_cache))
     prompts = bench.prompt_ids(cfg, tok, rows)
     out = {"environment": environment(cfg), "goals": GOALS, "args": vars(args)}
     perf = ws.root / "perf"

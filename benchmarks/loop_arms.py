@@ -44,7 +44,7 @@ import time
 
 import torch
 
-from pipeline import models
+from pipeline import compiling, models
 from pipeline.bench import hardware
 from pipeline.config import load_config
 from pipeline.speculative.arms import parse_arm
@@ -56,7 +56,7 @@ def mixed(pair, prompts) -> None:
     """16 rows: a held-back bandit row against a plain one, and against one that guesses."""
 
     def run(arms, gate) -> float:
-        b = RowBatch(pair.engine, max_rows=16)
+        b = RowBatch(pair.models, max_rows=16)
         for r in b.join([(i, prompts[i], 48, parse_arm(a)) for i, a in enumerate(arms)]):
             r.adaptive = True
         t0 = time.perf_counter()
@@ -85,7 +85,7 @@ def held(pair, prompts, arms: list[str], width: int = 16, n: int = 32, rounds: i
     hold = lambda rows: [0] * len(rows)  # noqa: E731 - the gate caps every row at 0
 
     def run(arm: str, count: int) -> tuple[float, float]:
-        b = RowBatch(pair.engine, max_rows=max(16, width))
+        b = RowBatch(pair.models, max_rows=max(16, width))
         todo, tokens, steps = list(range(count)), 0, []
         t0 = time.perf_counter()
         while todo or b.rows:
@@ -120,7 +120,7 @@ def feeds(pair, prompts, width: int = 16, repeat: int = 12) -> None:
 
     from pipeline.speculative.rows import target_logits
 
-    b = RowBatch(pair.engine, max_rows=max(16, width))
+    b = RowBatch(pair.models, max_rows=max(16, width))
     b.join([(i, prompts[i % len(prompts)], 48, parse_arm("0")) for i in range(width)])
     for _ in range(3):
         b.step()
@@ -139,7 +139,7 @@ def feeds(pair, prompts, width: int = 16, repeat: int = 12) -> None:
         lengths = [tc.lengths[s] for s in slots]
         t0 = time.perf_counter()
         with torch.inference_mode():
-            target_logits(pair.engine.target, tc, slots, fed)
+            target_logits(pair.models.target, tc, slots, fed)
         dt = time.perf_counter() - t0
         for s, n in zip(slots, lengths, strict=True):
             tc.crop(s, n)
@@ -164,7 +164,7 @@ def alone(pair, cfg, prompts, arms: list[str]) -> None:
     from pipeline.serving.policy import make_bandit
     from pipeline.speculative.bandit import Context
 
-    b = RowBatch(pair.engine, max_rows=1)
+    b = RowBatch(pair.models, max_rows=1)
     bandit = make_bandit(cfg.bandit, arms, "goodput")
     got = {a: [0, 0, 0.0] for a in arms}  # tokens, steps, seconds
     for a in arms:  # warm: each arm's shapes once
@@ -232,10 +232,10 @@ def kept(pair, cfg, prompts, arm: str, width: int = 4, n: int = 16,
 
         return gate
 
-    shared = RowBatch(pair.engine, max_rows=16)  # one set of cost curves, as a server's
+    shared = RowBatch(pair.models, max_rows=16)  # one set of cost curves, as a server's
 
     def run(a: str, gate) -> tuple[float, float, RowBatch, list]:
-        b = RowBatch(pair.engine, max_rows=16)
+        b = RowBatch(pair.models, max_rows=16)
         b.cost, b.draft_cost, b.head_cost = shared.cost, shared.draft_cost, shared.head_cost
         spent: list[float] = []
         for name in ("_eagle", "_draft"):
@@ -454,7 +454,7 @@ def slots(pair) -> None:
 
     from pipeline.speculative.rows import RowCache, target_scores
 
-    model = pair.engine.target
+    model = pair.models.target
     for n in (4, 8, 16):
         cache = RowCache(model, n, 1024)
         order = [cache.alloc() for _ in range(n)]
@@ -509,7 +509,7 @@ def catch_up(pair, prompts, arm: str, rows: int = 8) -> None:
     part (an EAGLE-3 head reads every state held back in that step). Twice each."""
     for hold in (0, 10, 30):
         for _ in range(2):
-            b = RowBatch(pair.engine, max_rows=rows)
+            b = RowBatch(pair.models, max_rows=rows)
             for r in b.join([(i, prompts[i], 60, parse_arm(arm)) for i in range(rows)]):
                 r.adaptive = True
             took: list[float] = []
@@ -537,7 +537,7 @@ def grid(pair, prompts, arm: str) -> None:
     print("rows guessing fed_mean step_ms(median) steps", flush=True)
     for n in (1, 2, 4, 8, 16):
         for g in sorted({0, 1, n // 2, n}):
-            b = RowBatch(pair.engine, max_rows=16)
+            b = RowBatch(pair.models, max_rows=16)
             b.join([(i, prompts[i], 48, parse_arm(arm if i < g else "0")) for i in range(n)])
             seen: list[tuple[int, int, float]] = []
 
@@ -618,7 +618,7 @@ def main() -> None:
     elif any(a.needs_head for a in arms):
         draft = models.head_ref(cfg, ws)
     pair = models.load_pair(cfg, ws, draft)
-    compiled = models.compile_engine(cfg, ws, pair)  # as the server does (engine.compile)
+    compiled = compiling.compile_engine(cfg, ws, pair)  # as the server does (engine.compile)
     print(f"dtype {pair.target.dtype}, compiled {compiled}, draft {draft}", flush=True)
     tok = pair.tokenizer
     prompts = [
@@ -660,7 +660,7 @@ def main() -> None:
         return
     for arm in args.arms:
         for rows in (1, 8):
-            b = RowBatch(pair.engine, max_rows=16)
+            b = RowBatch(pair.models, max_rows=16)
             b.join([(i, prompts[i], 48, parse_arm(arm)) for i in range(rows)])
             heads = []  # the EAGLE-3 head's seconds per step (eagle arms)
             b._eagle = lambda rs, inner=b._eagle, heads=heads: heads.append(inner(rs)) or heads[-1]

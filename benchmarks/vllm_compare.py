@@ -107,7 +107,7 @@ def part_fidelity(cfg, ws: Workspace, args) -> dict:
     for k in (2, 4):
         row = {}
         for name, pair in pairs.items():
-            res = [pair.engine.generate(p, k, n) for p in ids]
+            res = [pair.models.generate(p, k, n) for p in ids]
             prop = sum(r.proposed for r in res)
             row[f"phoenix {name}".strip()] = sum(r.accepted for r in res) / prop if prop else None
         spec = vllm.speculative_config("draft_model", draft, k)

@@ -25,7 +25,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from . import models, report
+from . import compiling, models, report
 from .artifacts import weights_id
 from .config import Config
 from .errors import InputError, VerificationError
@@ -102,7 +102,7 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
     head = models.head_ref(cfg, ws)
     rows = read_jsonl(ws.test_file)[: cfg.bench.prompts]
     target = models.load_pair(cfg, ws, None)
-    compiled = models.compile_engine(cfg, ws, target)
+    compiled = compiling.compile_engine(cfg, ws, target)
     ids = prompt_ids(cfg, target.tokenizer, rows)
     engines = {"none": {"compiled": compiled}}
     # Sampled: token identity does not apply; the outputs are checked in distribution.
@@ -247,7 +247,7 @@ def measure_all(
     for draft in drafts:
         pair = models.load_pair(cfg, ws, draft_spec(cfg, ws, draft), share_target=target)
         engines[draft] = {
-            "compiled": models.compile_engine(cfg, ws, pair),
+            "compiled": compiling.compile_engine(cfg, ws, pair),
             "head_ids": pair.models.draft_head_ids,
             "weights": weights_id(pair.draft_ref),
         }

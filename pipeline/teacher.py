@@ -305,9 +305,9 @@ def local_context(cfg: Config, ws: Workspace, prompts: list[str]) -> int:
     `teacher.max_tokens`, or `engine.max_context` where that is longer. (`engine.max_context`
     sizes the bench's compiled caches; with it alone, the 500-prompt run stopped at a prompt of
     273 tokens: 273 + 256 > 512.)"""
-    from . import models  # torch and transformers: only when the local teacher runs
+    from . import models, specs  # torch and transformers: only when the local teacher runs
 
-    tok = models.load_tokenizer(models.resolve(cfg.models.target, ws.models_cache))
+    tok = models.load_tokenizer(specs.resolve(cfg.models.target, ws.models_cache))
     kwargs = cfg.template_kwargs()
     longest = max((len(models.user_prompt_ids(tok, p, kwargs)) for p in prompts), default=0)
     return max(cfg.engine.max_context, longest + cfg.teacher.max_tokens)

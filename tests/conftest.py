@@ -34,9 +34,9 @@ def model_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_pair(model_cache):
     """(target_dir, draft_dir): a tiny random Llama and a 1-layer draft cut from it."""
-    from pipeline import models
+    from pipeline import specs
 
-    return models.resolve_pair(TINY_TARGET, "cut:1", model_cache)
+    return specs.resolve_pair(TINY_TARGET, "cut:1", model_cache)
 
 
 @pytest.fixture(scope="session")

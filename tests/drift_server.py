@@ -16,7 +16,7 @@ from pathlib import Path
 
 import requests
 
-from pipeline import models
+from pipeline import models, specs
 from pipeline.config import load_config
 from pipeline.server import create_app
 from pipeline.serving.core import make_core
@@ -31,7 +31,7 @@ FAST = 8
 
 def main() -> None:
     cache = Path(sys.argv[1])
-    t, _ = models.resolve_pair(TINY_TARGET, "cut:1", cache)
+    t, _ = specs.resolve_pair(TINY_TARGET, "cut:1", cache)
     tok = models.load_tokenizer(t)
     target, draft = (models.load_model(t, "float32", "cpu") for _ in range(2))
     Valve(target, delay_s=0.02)

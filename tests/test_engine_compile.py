@@ -9,7 +9,7 @@ import pytest
 import requests
 import torch
 
-from pipeline import models
+from pipeline import compiling, models
 from pipeline.config import load_config
 from pipeline.server import create_app
 from pipeline.speculative.arms import parse_arm
@@ -121,14 +121,14 @@ def test_compile_auto_falls_back_with_one_warning_and_true_fails(tiny_pair, tmp_
     bad = ["engine.backend=no_such_backend"]
     cfg = load_config("configs/ci.yaml", [*over, "engine.compile=auto", *bad])
     pair = models.load_pair(cfg, ws, cfg.models.draft)
-    assert models.compile_engine(cfg, ws, pair) is False
+    assert compiling.compile_engine(cfg, ws, pair) is False
     warnings = [r for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "no_such_backend" in warnings[0].getMessage()
     assert not pair.target._phoenix_runner.compiled
     cfg = load_config("configs/ci.yaml", [*over, "engine.compile=true", *bad])
     pair = models.load_pair(cfg, ws, cfg.models.draft)
     with pytest.raises(PhoenixError, match="engine.compile=true: compiling failed"):
-        models.compile_engine(cfg, ws, pair)
+        compiling.compile_engine(cfg, ws, pair)
 
 
 def test_the_compiled_loop_serves_every_arm_exactly_with_nothing_left_to_compile(
@@ -156,7 +156,7 @@ def test_the_compiled_loop_serves_every_arm_exactly_with_nothing_left_to_compile
     torch.manual_seed(0)
     vocab = list(range(pair.target.config.vocab_size))
     pair.models.head = eagle3.new_head(pair.target, vocab, None).eval()
-    assert models.compile_engine(cfg, ws, pair) is True
+    assert compiling.compile_engine(cfg, ws, pair) is True
     assert pair.models.head.compiled
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(ws.compile_cache / "inductor")
     tok = pair.tokenizer

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from pipeline import artifacts, models, traffic
+from pipeline import artifacts, specs, traffic
 from pipeline.config import load_config
 from pipeline.server import build_app
 from pipeline.workspace import Workspace, read_jsonl
@@ -171,9 +171,7 @@ def test_a_promoted_draft_is_swapped_in_under_load_without_failing_a_request(mer
 
     art = copy_workspace(merged_ws, tmp_path / "art")
     ws = Workspace(art)
-    base_dir = Path(
-        models.resolve("cut:1", ws.models_cache, models.resolve(MODEL, ws.models_cache))
-    )
+    base_dir = Path(specs.resolve("cut:1", ws.models_cache, specs.resolve(MODEL, ws.models_cache)))
     prompts = [r["prompt"] for r in read_jsonl(ws.test_file)[:2]]
     with FakeSentry() as sentry:
         proc, url = start_serve(

@@ -534,9 +534,9 @@ def test_the_gate_caps_adaptive_rows_only_and_outputs_stay_exact(engine, cap):
 def test_a_qwen3_pair_runs_the_loop_exactly(model_cache):
     """The reference setup's architecture (q/k norms, tied embeddings), tiny: every arm through
     the lean runner equals target-only greedy decoding by transformers' forward."""
-    from pipeline import models
+    from pipeline import models, specs
 
-    t, d = models.resolve_pair("tiny:arch=qwen3,layers=2,hidden=64,seed=1", "cut:1", model_cache)
+    t, d = specs.resolve_pair("tiny:arch=qwen3,layers=2,hidden=64,seed=1", "cut:1", model_cache)
     tok = models.load_tokenizer(t)
     eng = Models(
         models.load_model(t, "float32", "cpu"), models.load_model(d, "float32", "cpu"),

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .. import drafts, models
+from .. import compiling, drafts, models
 from ..artifacts import weights_id
 from ..config import Config
 from ..speculative.arms import parse_arm, usable
@@ -99,7 +99,7 @@ class ServingCore:
 
     @property
     def compiled(self) -> bool:
-        """Whether the target's steps run compiled (`models.compile_engine`)."""
+        """Whether the target's steps run compiled (`compiling.compile_engine`)."""
         runner = getattr(self.models.target, "_phoenix_runner", None)
         return runner is not None and runner.compiled
 
@@ -311,7 +311,7 @@ def build_core(
         full_head=full_head,
         head_dir=served.head if served else None,
     )
-    models.compile_engine(cfg, ws, pair)  # before /health says ready: warm, not in a request
+    compiling.compile_engine(cfg, ws, pair)  # before /health says ready: warm, not in a request
     core = make_core(
         cfg,
         pair,
