@@ -8,7 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from pipeline.speculative.bandit import EpsilonGreedy, load_bandit, save_bandit
+from pipeline.serving.policy import load_bandit, save_bandit
+from pipeline.speculative.bandit import EpsilonGreedy
 
 ARMS = [0, 2, 4, 6, 8]
 
@@ -31,7 +32,7 @@ def test_the_bandits_defaults_are_the_configs():
     for name in ("warmup_pulls", "epsilon_start", "epsilon_floor", "epsilon_decay", "z"):
         assert params[name].default == getattr(b, name), name
     assert params["explore"].default == "plausible" and b.policy == "goodput"
-    from pipeline.speculative.bandit import GoodputBandit
+    from pipeline.speculative.goodput import GoodputBandit
 
     assert inspect.signature(GoodputBandit).parameters["explore_margin"].default == (
         b.explore_margin
@@ -227,7 +228,8 @@ def test_replay_of_measured_arms_scores_policies_like_the_bench():
 def test_contextual_policy_learns_a_different_best_arm_per_prompt_length():
     """Short prompts: ngram:4 is best; long prompts: arm 0. A context-free bandit must pick one
     arm for both; the contextual one learns each cell and beats it."""
-    from pipeline.speculative.bandit import Context, ContextualBandit
+    from pipeline.speculative.bandit import Context
+    from pipeline.speculative.contextual import ContextualBandit
 
     arms = ["0", "ngram:4"]
 
@@ -257,7 +259,8 @@ def test_contextual_policy_learns_a_different_best_arm_per_prompt_length():
 
 
 def test_contextual_state_round_trips(tmp_path):
-    from pipeline.speculative.bandit import Context, ContextualBandit
+    from pipeline.speculative.bandit import Context
+    from pipeline.speculative.contextual import ContextualBandit
 
     b = ContextualBandit(["0", "ngram:4"], random.Random(0), 1)
     for i in range(6):
@@ -271,7 +274,7 @@ def test_contextual_state_round_trips(tmp_path):
 
 
 def test_drift_guard_falls_back_cools_down_and_probes():
-    from pipeline.speculative.bandit import DriftGuard
+    from pipeline.speculative.guard import DriftGuard
 
     g = DriftGuard(window=4, margin=0.2, cooldown=2, min_samples=2)
     assert g.observe(True, False, 10.0) is None  # plain: 10 tokens/s
@@ -316,10 +319,11 @@ def test_latency_weighted_rewards_make_the_mean_tokens_over_time():
 def test_forgetting_the_draft_arms_keeps_the_rest_and_pulls_them_again(tmp_path, policy):
     """A new draft model: the draft arms start over (pulled again first), 0 and ngram keep
     what they learnt; the state file carries the pending re-pulls across a restart."""
-    from pipeline.speculative.bandit import Context, ContextualBandit
+    from pipeline.speculative.bandit import Context
+    from pipeline.speculative.contextual import ContextualBandit
 
     arms = ["0", "draft:2", "draft:4", "ngram:4"]
-    from pipeline.speculative.bandit import GoodputBandit
+    from pipeline.speculative.goodput import GoodputBandit
 
     cls = {"contextual": ContextualBandit, "goodput": GoodputBandit}.get(policy, EpsilonGreedy)
 
@@ -345,7 +349,7 @@ def test_forgetting_the_draft_arms_keeps_the_rest_and_pulls_them_again(tmp_path,
 
 
 def goodput_bandit(arms=("0", "draft:2", "draft:4", "ngram:4"), **kw):
-    from pipeline.speculative.bandit import GoodputBandit
+    from pipeline.speculative.goodput import GoodputBandit
 
     return GoodputBandit(
         list(arms), random.Random(0), 1, **{"epsilon_start": 0.0, "epsilon_floor": 0.0, **kw}
@@ -401,7 +405,8 @@ def test_goodput_reads_the_measured_curve_flat_for_a_few_tokens_then_steep():
     """A CPU pass: 1 to 5 tokens cost about the same, then every token costs its share (what
     one line through all steps gets wrong at both ends). Prompt lookup pays alone; at 16 rows,
     where its guesses would triple the tokens fed, plain wins."""
-    from pipeline.speculative.bandit import Context, step_seconds
+    from pipeline.speculative.bandit import Context
+    from pipeline.speculative.cost import step_seconds
 
     curve = ((1.0, 0.090), (5.0, 0.100), (16.0, 0.290))
     assert step_seconds(curve, 3) == pytest.approx(0.095)  # between points: linear
@@ -432,7 +437,8 @@ def test_goodput_prices_a_row_by_what_it_adds_to_the_batch():
     """The prediction is the batch's goodput with the row in it: the other rows' tokens fed and
     committed per step (the context's) plus the row's, over the whole step at that size and
     the draft passes it adds (the marginal draft pass when other rows draft already)."""
-    from pipeline.speculative.bandit import Context, step_seconds
+    from pipeline.speculative.bandit import Context
+    from pipeline.speculative.cost import step_seconds
 
     b = goodput_bandit()
     for _ in range(4):
@@ -470,8 +476,9 @@ def test_the_step_gate_caps_the_bandit_rows_guesses_at_what_pays_at_this_batch()
     sits out. Other policies cap nothing."""
     from pipeline.serving.policy import Policy
     from pipeline.speculative.arms import parse_arm
-    from pipeline.speculative.bandit import StepRow, step_seconds
     from pipeline.speculative.batch import Row
+    from pipeline.speculative.cost import step_seconds
+    from pipeline.speculative.goodput import StepRow
 
     b = goodput_bandit(arms=("0", "ngram:4", "draft:2"))
     for _ in range(3):
@@ -522,7 +529,7 @@ def test_the_step_gate_judges_the_rows_guessing_together():
     two): both guessing pays (1.29x plain), where one guessing beside a plain row pays 4% at
     most (1 guess), under the 5% margin; a cap judged row by row beside rows that do not guess would never
     start."""
-    from pipeline.speculative.bandit import StepRow
+    from pipeline.speculative.goodput import StepRow
 
     b = goodput_bandit(arms=("0", "eagle:2"))
     for _ in range(2):
@@ -586,7 +593,8 @@ def test_goodput_prices_a_step_per_number_of_guesses_not_at_the_mean_feed():
     and S(5), not S(3) (priced at its mean feed it got 13 of 32 requests at 2 clients, where
     eagle:2 paid more).
     An arm that always guesses its k is priced at S(1 + k) either way."""
-    from pipeline.speculative.bandit import Context, step_seconds
+    from pipeline.speculative.bandit import Context
+    from pipeline.speculative.cost import step_seconds
 
     b = goodput_bandit(arms=("0", "ngram:4", "eagle:2"))
     for _ in range(3):
@@ -606,7 +614,8 @@ def test_goodput_the_margin_a_guess_must_beat_grows_with_the_rows(per_row):
     """A guess predicted 10% above plain: at 2 rows it passes the 5% margin, at 4 rows the
     margin is 15% (5% more a row past two) and the row is held back, and no speculative arm is
     chosen there; control: with no growth (`margin_per_row` 0) it guesses at 4 rows too."""
-    from pipeline.speculative.bandit import Context, StepRow
+    from pipeline.speculative.bandit import Context
+    from pipeline.speculative.goodput import StepRow
 
     b = goodput_bandit(arms=("0", "ngram:2"), speculate_margin=0.05, margin_per_row=per_row)
     for _ in range(2):
@@ -747,7 +756,8 @@ def test_goodput_counts_the_other_rows_proposals_in_every_rows_step():
     a head's time per eagle row, and one draft pass per position over the rows still guessing."""
     from types import SimpleNamespace
 
-    from pipeline.speculative.bandit import Context, drafting_seconds
+    from pipeline.speculative.bandit import Context
+    from pipeline.speculative.cost import drafting_seconds
 
     b = goodput_bandit(arms=("0", "ngram:4", "eagle:2"))
     for _ in range(3):
@@ -785,7 +795,8 @@ def test_an_eagle_row_pays_what_it_adds_to_the_shared_head_passes_its_read_inclu
     too little. A row the gate holds back shares a pass only in the steps it guesses in."""
     from types import SimpleNamespace
 
-    from pipeline.speculative.bandit import Context, added_passes, drafting_seconds, head_rows
+    from pipeline.speculative.bandit import Context
+    from pipeline.speculative.cost import added_passes, drafting_seconds, head_rows
 
     b = goodput_bandit(arms=("0", "eagle:4"))
     for _ in range(2):

@@ -20,8 +20,10 @@ from .. import drafts, models
 from ..artifacts import weights_id
 from ..config import Config
 from ..speculative.arms import parse_arm, usable
-from ..speculative.bandit import Context, GoodputBandit, drafting_seconds, head_rows, per_step
+from ..speculative.bandit import Context
 from ..speculative.batch import RowBatch
+from ..speculative.cost import drafting_seconds, head_rows, per_step
+from ..speculative.goodput import GoodputBandit
 from .policy import Policy, make_policy
 from .request import CoreResult, Mode, Request, parse_mode
 from .scheduler import Job, Scheduler

@@ -4,7 +4,7 @@ on fake time.
 
 `choose(context)`: the drift guard may hold a bandit request to plain generation (or make it
 probe the best speculative arm after a cool-down); otherwise the bandit chooses
-(`speculative.bandit`, `bandit.policy`). The context carries the batch the request joins: its
+(`bandit.policy`: `speculative.goodput`, `.contextual`, `.bandit`). The context carries the batch the request joins: its
 rows and the step loop's measured step costs.
 
 `reward(...)`: a finished bandit request teaches the bandit its goodput (`CoreResult.goodput`:
@@ -30,19 +30,12 @@ from pathlib import Path
 
 from ..config import BanditConfig
 from ..speculative.arms import parse_arm
-from ..speculative.bandit import (
-    Context,
-    ContextualBandit,
-    Decision,
-    DriftGuard,
-    EpsilonGreedy,
-    GoodputBandit,
-    StepRow,
-    load_bandit,
-    per_step,
-    save_bandit,
-    step_seconds,
-)
+from ..speculative.bandit import Context, Decision, EpsilonGreedy
+from ..speculative.contextual import ContextualBandit
+from ..speculative.cost import per_step, step_seconds
+from ..speculative.goodput import GoodputBandit, StepRow
+from ..speculative.guard import DriftGuard
+from ..workspace import atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -261,3 +254,24 @@ def make_policy(
         make_bandit(b, arms, policy), make_guard(b), state_file, b.save_every_s, clock=clock,
         draft_weights=draft_weights, prior=prior, prior_rounds=b.bench_prior_rounds,
     )  # fmt: skip
+
+
+def save_bandit(bandit: EpsilonGreedy, path: Path, extra: dict | None = None) -> None:
+    """The bandit's state, plus the caller's `extra` fields (the weights it measured)."""
+    atomic_write_json(path, {**bandit.state(), **(extra or {})})
+
+
+def load_bandit(bandit: EpsilonGreedy, path: Path) -> str:
+    """Restore saved state if any. A corrupt file is set aside (renamed) and reported."""
+    if not path.exists():
+        return "fresh"
+    try:
+        bandit.load_state(json.loads(path.read_text()))
+        return "restored"
+    except (ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
+        aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
+        path.rename(aside)
+        log.warning(
+            "bandit state %s is unusable (%s); set aside as %s, starting fresh", path, exc, aside
+        )
+        return "corrupt"
