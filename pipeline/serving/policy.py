@@ -12,10 +12,11 @@ tokens over what it cost the batch; alone, its own tokens/s) and the acceptance 
 position. The drift guard judges the same figure relative to what plain generation would have
 delivered at that load (`plain_rate`), so requests at different loads compare. A reward earned on
 a draft swapped out since is dropped. The state file is written at most every `save_every_s`
-(and at `save()`), never once per request on the scheduler's thread. It records the draft's
-weights id (`artifacts.weights_id`): restored with another draft (a new merge, `server.draft`
-changed), the draft arms' statistics start over, as on a hot swap; n-gram and plain arms keep
-theirs.
+(and at `save()`), never once per request on the scheduler's thread. It records the weights
+ids (`artifacts.weights_id`) of the draft model and of the EAGLE-3 head: restored with other
+weights (a new merge, `server.draft` or `models.head` changed), the arms that run on them start
+over, as on a hot swap, and a bench prior for the new weights applies; n-gram and plain arms
+keep theirs.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ from ..workspace import atomic_write_json
 log = logging.getLogger(__name__)
 
 
+def short(weights: str | None) -> str:
+    return (weights or "unrecorded")[:12]
+
+
 def plain_rate(context: Context) -> float | None:
     """Tokens/s a plain row gets at this context's load (None: no cost figures)."""
     if context.step_cost is None:
@@ -59,12 +64,15 @@ class Policy:
         draft_weights: str | None = None,
         prior: tuple[dict, str] | None = None,
         prior_rounds: float = 0.0,
+        head_weights: str | None = None,
     ):
-        """`draft_weights`: the served draft's weights id, kept in the state file. `prior`:
+        """`draft_weights`, `head_weights`: the weights ids of the served draft model and
+        EAGLE-3 head (`serving.core.served_weights`), kept in the state file. `prior`:
         (acceptance per strategy, where it is from; `drafts.bench_prior`) for a goodput bandit
         to start from where its state has no figures, weighted as `prior_rounds` rounds."""
         self.bandit = bandit
         self.draft_weights = draft_weights
+        self.head_weights = head_weights
         self.plain_arm = next((a for a in bandit.arms if parse_arm(a).k == 0), None)
         self.guard = guard if self.plain_arm is not None else None
         self.state_file = state_file
@@ -83,21 +91,29 @@ class Policy:
             if self.seeded:
                 log.info("bandit: acceptance of %s from %s", ", ".join(self.seeded), prior[1])
 
+    def _arms_of(self, draft: bool, head: bool) -> list:
+        """The arms that run on the draft model (`draft`) and on the head (`head`)."""
+        arms = [parse_arm(a) for a in self.bandit.arms]
+        return [str(a) for a in arms if (draft and a.needs_draft) or (head and a.needs_head)]
+
     def _check_draft(self, state_file: Path) -> None:
-        """Forget the draft arms if the state measured other draft weights than these."""
+        """Forget the arms of the draft model or of the head whose weights the state measured
+        are not these (a new merge, `server.draft` or `models.head` changed)."""
         try:
-            saved = json.loads(state_file.read_text()).get("draft_weights")
+            saved = json.loads(state_file.read_text())
         except (OSError, ValueError):
             return
-        draft_arms = [a for a in self.bandit.arms if parse_arm(a).needs_draft]
-        if saved == self.draft_weights or not draft_arms:
+        was = (saved.get("draft_weights"), saved.get("head_weights"))
+        stale = self._arms_of(was[0] != self.draft_weights, was[1] != self.head_weights)
+        if not stale:
             return
         log.warning(
-            "bandit state %s measured draft weights %s; this server's draft is %s: the draft "
-            "arms' statistics start over (n-gram and plain arms keep theirs)",
-            state_file, (saved or "unrecorded")[:12], (self.draft_weights or "unknown")[:12],
+            "bandit state %s measured draft weights %s and head %s; this server's are %s and "
+            "%s: the statistics of %s start over",
+            state_file, *(short(w) for w in (*was, self.draft_weights, self.head_weights)),
+            ", ".join(stale),
         )  # fmt: skip
-        self.bandit.forget(draft_arms)
+        self.bandit.forget(stale)
         self._dirty = True
 
     @property
@@ -180,11 +196,15 @@ class Policy:
             )
         return event
 
-    def forget_draft_arms(self, draft_weights: str | None = None) -> None:
-        """A new draft (`draft_weights`: its weights id): the draft arms' statistics start
-        over; the guard forgets its speculative window."""
-        self.draft_weights = draft_weights
-        self.bandit.forget([a for a in self.bandit.arms if parse_arm(a).needs_draft])
+    def forget_draft_arms(
+        self, draft_weights: str | None = None, head_weights: str | None = None
+    ) -> None:
+        """A new draft (`draft_weights`, `head_weights`: the weights ids of its draft model and
+        head): the draft model's arms start over, and the head's unless its weights id is known
+        and unchanged; the guard forgets its speculative window."""
+        same_head = head_weights is not None and head_weights == self.head_weights
+        self.draft_weights, self.head_weights = draft_weights, head_weights
+        self.bandit.forget(self._arms_of(True, not same_head))
         if self.guard is not None:
             self.guard.reset_speculative()
         self._dirty = True
@@ -197,7 +217,8 @@ class Policy:
         if not force and now - self._saved_at < self.save_every_s:
             return
         try:
-            save_bandit(self.bandit, self.state_file, {"draft_weights": self.draft_weights})
+            weights = {"draft_weights": self.draft_weights, "head_weights": self.head_weights}
+            save_bandit(self.bandit, self.state_file, weights)
             self._dirty, self._saved_at = False, now
         except OSError as exc:  # serving goes on; the next save tries again
             log.warning("bandit state %s not saved: %s", self.state_file, exc)
@@ -246,13 +267,15 @@ def make_policy(
     clock: Callable[[], float] = time.monotonic,
     draft_weights: str | None = None,
     prior: tuple[dict, str] | None = None,
+    head_weights: str | None = None,
 ) -> Policy:
-    """The policy per the `bandit` section over these arms (`draft_weights`: the served
-    draft's weights id, checked against the state file's; `prior`: `drafts.bench_prior`'s,
-    weighted per `bandit.bench_prior_rounds`)."""
+    """The policy per the `bandit` section over these arms (`draft_weights`, `head_weights`:
+    the served draft model's and head's weights ids, checked against the state file's;
+    `prior`: `drafts.bench_prior`'s, weighted per `bandit.bench_prior_rounds`)."""
     return Policy(
         make_bandit(b, arms, policy), make_guard(b), state_file, b.save_every_s, clock=clock,
         draft_weights=draft_weights, prior=prior, prior_rounds=b.bench_prior_rounds,
+        head_weights=head_weights,
     )  # fmt: skip
 
 
