@@ -472,8 +472,8 @@ def test_the_step_gate_caps_the_bandit_rows_guesses_at_what_pays_at_this_batch()
     a row guesses its k; beside one plain row, on a pass flat for a few tokens, all 4 pay;
     beside 15 plain rows its guesses cost more than they give the batch; 4 such rows on a pass
     flat to 8 tokens guess 1 each (the first guesses ride the flat pass, the later ones would
-    not); a fixed arm keeps its k, and an adaptive row whose strategy has no acceptance yet
-    sits out. Other policies cap nothing."""
+    not); a fixed arm keeps its k, and of the adaptive rows whose strategy has no acceptance
+    yet (learners) the first guesses its k, the others sit out. Other policies cap nothing."""
     from pipeline.serving.policy import Policy
     from pipeline.speculative.arms import parse_arm
     from pipeline.speculative.batch import Row
@@ -494,7 +494,8 @@ def test_the_step_gate_caps_the_bandit_rows_guesses_at_what_pays_at_this_batch()
     fixed, unknown = StepRow("ngram:4", 4, False, 5.0, 2.3), StepRow("draft:2", 2, True)
     assert b.step_caps([guess] * 4, flat8) == [1] * 4
     flat16 = ((1.0, 0.09), (16.0, 0.10), (32.0, 0.50))
-    assert b.step_caps([guess, fixed, unknown], flat16) == [4, 4, 0]
+    assert b.step_caps([guess, fixed, unknown], flat16) == [4, 4, 2]
+    assert b.step_caps([guess, unknown, fixed, unknown], flat16) == [4, 2, 4, 0]
     spent = StepRow("ngram:4", 0, True, 5.0, 2.3)  # its budget's last token: guesses nothing
     assert b.step_caps([spent, guess], step) == [0, 4]  # priced as plain, not by its history
     assert b.step_values([spent, guess], step)[0] == b.step_values([plain, guess], step)[0]
@@ -522,6 +523,28 @@ def test_the_step_gate_caps_the_bandit_rows_guesses_at_what_pays_at_this_batch()
     exact = 0.5 * step_seconds(knee, 2) + 0.5 * step_seconds(knee, 6)
     assert values[4] == pytest.approx(2.6 / exact)
     assert values[4] < 2.6 / step_seconds(knee, 4)  # the mean feed's price
+
+
+def test_an_arm_whose_request_left_its_acceptance_short_is_pulled_again():
+    """A request that taught its arm nothing (capped out, or done before it could guess), or
+    less than its k, puts the arm back on `rewarm`; once its k positions are measured, it is
+    not pulled again (`GoodputBandit.step_caps`, learners)."""
+    b = goodput_bandit(arms=("0", "draft:2", "draft:4"))
+    for _ in range(3):
+        b.choose()
+    teach(b, "draft:4", 0, [0, 0, 0, 0], [0, 0, 0, 0])  # capped at 0 every step
+    assert b.rewarm == ["draft:4"]
+    b.rewarm.clear()
+    teach(b, "draft:2", 10, [10, 10], [6, 4])  # draft:2 known; draft:4's positions 3, 4 not
+    assert b.rewarm == [] and b.guesses("draft:4") is not None
+    capped = ([5, 5, 0, 0], [5, 5, 0, 0], [3, 2, 0, 0])  # capped at 2: short of its k
+    b.update("draft:4", 1.0, None, 0.5, positions=capped)
+    assert b.rewarm == ["draft:4"]
+    teach(b, "draft:4", 5, [5, 5, 5, 5], [3, 2, 1, 1])
+    assert b.rewarm == ["draft:4"]  # once on the list; the next choice skips it as known
+    assert len(b.guesses("draft:4")) == 5
+    b.update("0", 1.0)  # plain: nothing to learn
+    assert b.rewarm == ["draft:4"]
 
 
 def test_the_step_gate_judges_the_rows_guessing_together():

@@ -5,6 +5,7 @@ learnt under sustained load, within the bound `GoodputBandit.step_caps` states."
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from pipeline import eagle3
 from pipeline.config import load_config
 from pipeline.models import Pair
 from pipeline.serving.core import make_core
+from pipeline.serving.request import Request, fixed
 from pipeline.speculative.engine import SpeculativeEngine
 
 EAGLE_ARMS = ["0", "draft:2", "eagle:2"]
@@ -90,4 +92,57 @@ def test_a_hot_swapped_head_forgets_the_eagle_arms(tiny_models, head, tmp_path):
             assert core.bandit.counts["eagle:2"] == 1 and "eagle:2" not in core.bandit.rewarm
     assert core.bandit.counts["eagle:2"] == 0 and core.bandit.guesses("eagle:2") is None
     assert "eagle:2" in core.bandit.rewarm
+    core.close()
+
+
+class Load:
+    """Keeps `n` plain requests in flight on `core` (each one replaced as it ends), so the
+    batch never falls to one row."""
+
+    def __init__(self, core, ids, n: int = 4, tokens: int = 64):
+        self.core, self.ids, self.tokens = core, ids, tokens
+        self.stop = threading.Event()
+        self.done: list[Request] = []
+        for _ in range(n):
+            self._submit()
+
+    def _submit(self) -> None:
+        if self.stop.is_set():
+            return
+        req = Request(self.ids, self.tokens, fixed("0"))
+        req.future.add_done_callback(lambda _f: self._submit())
+        self.done.append(req)
+        self.core.submit(req)
+
+
+def test_a_new_draft_is_measured_under_sustained_load_within_the_bound(tiny_models):
+    """After a swap on a server kept at 4+ plain rows, the forgotten draft arm goes to the next
+    bandit request, and its row guesses although its acceptance is unknown and other rows share
+    its steps (capped at 0 it taught nothing, and beside other rows an arm of unknown
+    acceptance is not chosen again: the new draft was never measured). Bound: the forgotten
+    arms' warm-up pulls, here one request."""
+    from tests.servers import tiny_core
+
+    tok, target, draft = tiny_models
+    core = tiny_core(tiny_models, arms=["0", "draft:2"], max_batch=8)
+    ids = core.text_prompt_ids("def add(a, b):")
+    for _ in range(2):  # warm-up alone: plain, then draft:2; every step cost measured
+        core.generate(Request(ids, 16, core.mode("bandit")), timeout=60)
+    assert core.bandit.guesses("draft:2") is not None
+    load = Load(core, ids)
+    try:
+        new = Pair(tok, SpeculativeEngine(target, draft, [tok.eos_token_id]), "tiny", "cut:1")
+        core.swap_draft(new, "new", {"spec": "cut:1"})
+        assert core.bandit.guesses("draft:2") is None and core.bandit.rewarm == ["draft:2"]
+        out = core.generate(Request(ids, 24, core.mode("bandit")), timeout=60)
+    finally:
+        load.stop.set()
+    for req in load.done:
+        req.result(timeout=60)
+    assert out.decision.arm == "draft:2" and out.rows >= 5  # joined 4 running rows
+    assert out.result.batch_rows >= 4  # never alone
+    assert out.result.proposed > 0  # the unknown row guessed
+    measured = core.bandit.guesses("draft:2")
+    assert measured is not None and len(measured) == 3  # both positions measured
+    assert measured[1][1] > 1.0  # nonzero acceptance of the new draft
     core.close()

@@ -80,9 +80,11 @@ class GoodputBandit(EpsilonGreedy):
 
     def __init__(
         self, arms, rng, *args, explore_margin: float = 0.1, decay: float = 0.998,
-        speculate_margin: float = 0.05, margin_per_row: float = 0.0, **kw,
+        speculate_margin: float = 0.05, margin_per_row: float = 0.0, learners: int = 1, **kw,
     ):  # fmt: skip
+        """`learners`: rows a step that may guess with their acceptance unknown (`step_caps`)."""
         super().__init__(arms, rng, *args, **kw)
+        self.learners = learners
         self.explore_margin = explore_margin
         self.speculate_margin = speculate_margin
         self.margin_per_row = margin_per_row
@@ -251,16 +253,37 @@ class GoodputBandit(EpsilonGreedy):
         fixed row what it has so far. c > 0 must beat c = 0 by `margin(rows)`: a wrong guess
         costs every row. Together, because the rows share the passes (an EAGLE-3 head pass
         costs about the same for one row as for four); one cap, because more guesses a row
-        cost every row at a full batch. Adaptive rows whose strategy has no measured acceptance sit
-        out (they learn alone)."""
+        cost every row at a full batch.
+
+        Learners: an adaptive row whose strategy's acceptance does not reach its k at its
+        temperature (`guesses`: never measured, or not that far) cannot be priced, and capped
+        it would teach nothing. The first `learners` such rows of a step (in row order: the
+        earliest joined) guess their whole k, priced as fixed rows at what they fed so far; any
+        others sit out that step. Such rows come from warm-up pulls (`rewarm`: a swapped
+        draft's arms first of all), and an arm whose request left its acceptance short of its
+        k goes back on `rewarm` (`update`). Bound: at most `learners` rows a step guess
+        unpriced; after a swap, with bandit requests joining one at a time, the new draft's
+        acceptance is measured within `warmup_pulls` x (forgotten arms) bandit requests that
+        guess in at least one step, whatever the load."""
         full = [r.k for r in rows]
         if len(rows) <= 1 or step_cost is None:
             return full
-        values, plans = self.step_values(rows, step_cost, draft_cost, head_cost)
+        with self._lock:
+            unknown = [i for i, r in enumerate(rows) if r.adaptive and r.k > 0
+                       and not self._reaches(r.arm, r.k, r.temperature)]  # fmt: skip
+        learning = set(unknown[: self.learners])
+        view = [replace(r, adaptive=False) if i in learning else r for i, r in enumerate(rows)]
+        values, plans = self.step_values(view, step_cost, draft_cost, head_cost)
         cap = max(range(len(values)), key=lambda c: (values[c], -c))
         if values[cap] < (1 + self.margin(len(rows))) * values[0]:
             cap = 0
         return [min(k, cap if plans[i] else 0) if i in plans else k for i, k in enumerate(full)]
+
+    def _reaches(self, arm, k: int, temperature: float) -> bool:
+        """Under the lock: whether `arm`'s acceptance is measured at its first `k` positions at
+        this temperature (`guesses`)."""
+        plan = self.guesses(arm, temperature)
+        return plan is not None and len(plan) > min(k, self.top)
 
     def step_values(self, rows: list[StepRow], step_cost, draft_cost=None, head_cost=None):
         """The predicted goodput of a step of `rows` with the adaptive rows capped at c, for c
@@ -311,7 +334,8 @@ class GoodputBandit(EpsilonGreedy):
     def _allowed(self, values: dict, context: Context) -> list:
         """The arms a request may get. Alone: all. Beside other rows: plain, and the speculative
         arms predicted to beat plain by `margin(rows)`; no arm is explored there whose
-        acceptance is unknown (acceptance does not depend on the load: it is learnt alone)."""
+        acceptance is unknown (it does not depend on the load: warm-up pulls learn it, their
+        rows let guess by the gate, `step_caps`)."""
         plain = next((a for a in self.arms if not strategy_of(a)), None)
         if context.rows <= 1 or plain is None or values.get(plain) is None:
             return list(self.arms)
@@ -326,27 +350,37 @@ class GoodputBandit(EpsilonGreedy):
         """As the plausible policy's, plus `positions`: (rounds that could guess at each
         position, proposed at each, accepted at each) of the request, which teach its
         strategy's acceptance (a number for the first: every position, as many rounds; per
-        position, because a row capped below its k by the gate could not guess past the cap)."""
+        position, because a row capped below its k by the gate could not guess past the cap).
+        A speculative arm whose acceptance still does not reach its k goes back on `rewarm`,
+        to be pulled again (`step_caps`, learners)."""
         super().update(arm, reward, context, acceptance, weight)
-        s = strategy_of(arm)
-        if not s or positions is None:
+        s, k = strategy_of(arm), int(str(arm).partition(":")[2] or 0)
+        if not s or k == 0:
             return
+        temperature = 0.0 if context is None else context.temperature
+        with self._lock:
+            if positions is not None:
+                self._teach(self._key(s, context), positions)
+            if not self._reaches(arm, k, temperature) and arm not in self.rewarm:
+                self.rewarm.append(arm)
+
+    def _teach(self, key: str, positions) -> None:
+        """Under the lock: add one request's (eligible, proposed, accepted) per position."""
         elig, prop, acc = positions
         k = min(len(prop), self.top)
         if isinstance(elig, (int, float)):
             elig = [elig] * k
         if k == 0 or not elig or elig[0] <= 0:
             return
-        with self._lock:
-            st = self._stats(self._key(s, context))
-            keep = self.decay ** elig[0]
-            for i in range(len(st)):
-                st[i] *= keep
-            top = self.top
-            for i in range(k):
-                st[i] += elig[i]
-                st[top + i] += prop[i]
-                st[2 * top + i] += acc[i]
+        st = self._stats(key)
+        keep = self.decay ** elig[0]
+        for i in range(len(st)):
+            st[i] *= keep
+        top = self.top
+        for i in range(k):
+            st[i] += elig[i]
+            st[top + i] += prop[i]
+            st[2 * top + i] += acc[i]
 
     def _forget_more(self, arms) -> None:
         gone = {strategy_of(a) for a in arms}
