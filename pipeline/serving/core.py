@@ -156,9 +156,9 @@ class ServingCore:
 
     def _gate(self, rows: list) -> list[int]:
         """The scheduler's per-step gate: how many tokens each row may guess at this batch.
-        Judged again when a row joins or leaves, else every `GATE_EVERY` steps: at 16 rows the
-        judgement took 0.56 ms a step, 1.5% of a compiled step (Intel Xeon), to say the same
-        "none" step after step. The caps bound guesses only (each row's own k and budget
+        Judged again when a row joins or leaves, else every `GATE_EVERY` steps (a judgement
+        every step costs about 1% of a step to say the same "none" step after step:
+        docs/measurements.md). The caps bound guesses only (each row's own k and budget
         still apply): a greedy row's output is the target's whatever they are, a sampled row's
         is drawn from the target's distribution (its draws, as ever, depend on what it
         guessed)."""
@@ -176,9 +176,8 @@ class ServingCore:
 
     def calibrate(self, tokens: int = 16) -> None:
         """Before serving: time one short generation alone per arm of the bandit (each K: an
-        EAGLE-3 head's passes grow with K, and a curve timed at eagle:4 alone priced eagle:2 at
-        eagle:4's head, 12.5 ms against 5.4, so the bandit served plain at 2 clients; AMD EPYC)
-        and plain, so the goodput policy prices arms whose acceptance it knows (a bench prior,
+        EAGLE-3 head's passes grow with K, so a curve timed at one K misprices the others) and
+        plain, so the goodput policy prices arms whose acceptance it knows (a bench prior,
         a restored state) without warm-up requests (`RowBatch.calibrate`)."""
         arms = sorted({parse_arm(a) for a in self.policy.arms} | {parse_arm(0)},
                       key=lambda a: (a.k > 0, str(a)))  # fmt: skip

@@ -156,9 +156,8 @@ class Policy:
         `context`); returns the drift guard's event, if any. The guard judges the request's
         goodput against plain's at the load it ran at: `rows`, its mean batch (default the
         context's: what it joined), and `step_cost`, the step loop's measured curve for that
-        many rows now (default the context's). (Judged at the load it joined, a request that
-        arrived alone and then ran beside another read 1.8x plain at 2 clients, and the guard
-        fell back from speculation that paid.)"""
+        many rows now (default the context's): judged at the load it joined, a request that
+        arrived alone and then ran beside others would read far above plain."""
         res = result.result
         reward = result.goodput
         weight = max(res.cost_s or res.latency_s, 1e-6)  # an arm's mean: its tokens over its time
