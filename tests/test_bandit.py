@@ -939,3 +939,21 @@ def test_without_a_plain_arm_a_choice_before_any_acceptance_is_known_does_not_fa
         assert d.arm in ("ngram:4", "eagle:2") and not d.warmup
     teach(b, "eagle:2", 10, [10, 10], [5, 3])
     assert b.choose(Context(rows=1, step_cost=line(0.03, 0.0005))).arm == "eagle:2"
+
+
+@pytest.mark.parametrize("policy", ["seed", "plausible", "contextual", "goodput"])
+def test_every_configurable_policy_serves_bandit_requests(tiny_models, policy):
+    """Each `bandit.policy` value builds a serving core whose bandit requests run and teach it
+    (no policy is benchmark-only: the config accepts them all)."""
+    from pipeline.serving.request import Request
+    from tests.servers import tiny_core
+
+    core = tiny_core(
+        tiny_models, arms=["0", "draft:2", "ngram:2"], sets=(f"bandit.policy={policy}",)
+    )
+    ids = core.text_prompt_ids("def add(a, b):")
+    for _ in range(3):
+        out = core.generate(Request(ids, 6, core.mode("bandit")), timeout=60)
+        assert out.decision is not None and len(out.result.token_ids) == 6
+    assert sum(core.bandit.counts.values()) == 3
+    core.close()
