@@ -211,7 +211,7 @@ def kept(pair, cfg, prompts, arm: str, width: int = 4, n: int = 16,
     gated run the mean cap and what the policy predicted, at `width` rows, for each cap
     against none."""
     from pipeline.serving.policy import make_policy
-    from pipeline.speculative.bandit import StepRow
+    from pipeline.speculative.goodput import StepRow
     from pipeline.speculative.sampling import Sampling
 
     policy = make_policy(cfg.bandit, ["0", arm], policy="goodput")

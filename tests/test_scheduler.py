@@ -15,8 +15,8 @@ from pipeline.models import user_prompt_ids
 from pipeline.serving.request import Cancelled, Refused
 from pipeline.serving.scheduler import Job, Scheduler, apart
 from pipeline.speculative.arms import parse_arm
-from pipeline.speculative.bandit import per_step
-from pipeline.speculative.batch import RowBatch, StepCost
+from pipeline.speculative.batch import RowBatch
+from pipeline.speculative.cost import StepCost, per_step
 from pipeline.speculative.loaded import Models
 from pipeline.speculative.rows import RowCache, target_scores
 from tests.conftest import target_greedy
@@ -340,7 +340,7 @@ def test_step_cost_per_row_count_prices_a_guess_by_the_load_it_was_measured_at()
     curve, whose 20-token bucket mixes 4 rows that all guessed with them, prices them lower.
     Per row count the curve has both; at a load not measured it borrows the all-rows curve's
     increments (optimistic: that load gets tried, then measured)."""
-    from pipeline.speculative.bandit import step_seconds
+    from pipeline.speculative.cost import step_seconds
 
     cost = StepCost()
     for rows, fed, ms in [(1, 1, 26.4), (1, 5, 29.6), (4, 4, 29.1), (4, 20, 42.2),
@@ -365,7 +365,7 @@ def test_step_cost_below_what_a_row_count_measured_follows_the_all_rows_curve_do
     """4 rows measured only guessing (12 tokens, 146 ms: AMD EPYC, AVX2, float32): their plain
     4-token step is priced in proportion to the all-rows curve from there (146 x 84 / 143 =
     86 ms), not held at 146 ms, which made plain look as dear as guessing."""
-    from pipeline.speculative.bandit import step_seconds
+    from pipeline.speculative.cost import step_seconds
 
     cost = StepCost()
     for rows, fed, ms in [(2, 4, 84.0), (2, 12, 140.0), (4, 12, 146.0)]:
@@ -383,7 +383,7 @@ def test_the_step_curve_never_prices_more_tokens_cheaper():
     8-token points seen many times. A pass of more tokens never costs less, so adjacent
     points out of order are pooled, weighted by their steps: the lone point no longer sets a
     7th token at 20 ms and an 8th at -16 ms."""
-    from pipeline.speculative.bandit import step_seconds
+    from pipeline.speculative.cost import step_seconds
 
     cost = StepCost()
     for fed, ms, times in [(2, 34.1, 8), (4, 37.2, 8), (6, 42.9, 8), (7, 62.8, 1), (8, 46.9, 6)]:

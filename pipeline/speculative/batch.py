@@ -32,7 +32,6 @@ its prefill plus its shares plus its proposals: `tokens / cost_s` is what its ar
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -40,7 +39,7 @@ from dataclasses import replace
 import torch
 
 from .arms import Arm
-from .bandit import step_seconds
+from .cost import StepCost
 from .loaded import Models
 from .propose import Proposer
 from .propose.draft_model import DraftModelProposer
@@ -50,116 +49,6 @@ from .row import GenerationResult, Row
 from .rows import RowCache, prefill, split_rows, target_logits
 from .runner import prepare
 from .sampling import GREEDY, Sampling, greedy_ids, probabilities_of, top_logprobs, verify
-
-
-class StepCost:
-    """A step's time against its size `n` (tokens fed, or rows drafted for). Pure.
-
-    Two readings of the same steps: `curve()`, an exponentially weighted mean (n, seconds) per
-    size bucket (`BUCKETS`), which the policy reads as a piecewise-linear curve (on a CPU a
-    pass costs about the same from 1 to a few tokens, then grows with every token: one line
-    through both regimes is wrong at both ends); and `coefficients()`, a least-squares line
-    a + b * n over every step, which splits a step among its rows (`shares`).
-
-    `curve(rows)`: the same, for steps of that many rows (bucketed). A step's time is not a
-    function of tokens fed alone: measured on the embedded default (Intel Xeon, bf16,
-    `benchmarks/loop_arms.py --grid`), 19.6 tokens cost 42 ms as 4 rows that all guess and
-    50 ms as 16 rows of which one guesses (attention lays every row out to the longest feed),
-    and one curve over every load priced one guessing row beside 15 plain ones at the cheap
-    figure. Past the largest size measured at that many rows, the curve goes on with the
-    all-rows curve's increments: an optimistic guess, so a load where nobody guessed yet is
-    tried, measured, and from then on priced by what it measured. Below the smallest, in
-    proportion to the all-rows curve (a pessimistic guess for guessing: plain is priced lower,
-    so a load measured only guessing is tried plain, and measured; in proportion, so it never
-    reaches 0). (Held flat below the smallest, a batch of 4 rows measured only guessing, 12
-    tokens at 146 ms, priced its plain 4-token step at the same 146 ms where it took 84, and
-    the gate predicted guessing 1.49x plain where it read 0.88-0.94x; AMD EPYC, AVX2,
-    float32.)"""
-
-    BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-    BUCKET_DECAY = 0.9  # a bucket follows its own recent steps (the machine's load changes)
-
-    def __init__(self, a: float = 1.0, b: float = 0.0, decay: float = 0.995):
-        self.prior = (a, b)
-        self.decay = decay
-        self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
-        self.buckets: dict[int, list[float]] = {}  # bucket -> [weight, weight * n, weight * s]
-        self.by_rows: dict[int, dict[int, list[float]]] = {}  # rows bucket -> the same
-
-    @classmethod
-    def bucket(cls, n: float) -> int:
-        return cls.BUCKETS[max(0, bisect.bisect_right(cls.BUCKETS, n) - 1)]  # the last: open
-
-    def observe(self, n: int, seconds: float, rows: int | None = None) -> None:
-        d = self.decay
-        self.sw = d * self.sw + 1
-        self.sx = d * self.sx + n
-        self.sy = d * self.sy + seconds
-        self.sxx = d * self.sxx + n * n
-        self.sxy = d * self.sxy + n * seconds
-        keys = [(self.buckets, self.bucket(n))]
-        if rows is not None:  # by exact size up to 64: a row's few guesses are a point apart
-            table = self.by_rows.setdefault(self.bucket(rows), {})
-            keys.append((table, int(n) if n <= 64 else self.bucket(n)))
-        k = self.BUCKET_DECAY
-        for table, key in keys:
-            w = table.setdefault(key, [0.0, 0.0, 0.0])
-            w[0], w[1], w[2] = k * w[0] + 1, k * w[1] + n, k * w[2] + seconds
-
-    @property
-    def seen(self) -> bool:
-        return self.sw > 0
-
-    @staticmethod
-    def _points(table: dict[int, list[float]]) -> tuple[tuple[float, float], ...]:
-        """Each bucket's weighted means, made non-decreasing in n by pooling adjacent
-        violators (weighted by their steps): a pass of more tokens never costs less, and one
-        slow step at a size seen once (a 63 ms 7-token point between 46-47 ms 6- and 8-token
-        ones, at 2 rows on the AMD EPYC) would otherwise price a guess as if it did."""
-        points = [(w[1] / w[0], w[2] / w[0], w[0]) for _, w in sorted(table.items())]
-        blocks: list[list[float]] = []  # [mean seconds, weight, points pooled]
-        for _, y, w in points:
-            blocks.append([y, w, 1])
-            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-                y2, w2, c2 = blocks.pop()
-                b = blocks[-1]
-                b[0], b[1], b[2] = (b[0] * b[1] + y2 * w2) / (b[1] + w2), b[1] + w2, b[2] + c2
-        pooled = [b[0] for b in blocks for _ in range(int(b[2]))]
-        return tuple((x, y) for (x, _, _), y in zip(points, pooled, strict=True))
-
-    def curve(self, rows: int | None = None) -> tuple[tuple[float, float], ...]:
-        """The measured (n, seconds) points, ascending in n: each bucket's weighted means; with
-        `rows`, those of steps of that many rows, continued below the smallest and past the
-        largest by the all-rows curve (class docstring). No steps of that many rows:
-        the all-rows curve."""
-        every = self._points(self.buckets)
-        own = self._points(self.by_rows.get(self.bucket(rows), {})) if rows else ()
-        if not own:
-            return every
-        (x0, y0), (x1, y1) = own[0], own[-1]
-        low, high = step_seconds(every, x0), step_seconds(every, x1)
-        below = [(x, y0 * min(1.0, step_seconds(every, x) / low) if low > 0 else y0)
-                 for x, _ in every if x < x0]  # fmt: skip
-        beyond = [(x, y1 + max(0.0, step_seconds(every, x) - high)) for x, _ in every if x > x1]
-        return tuple(below) + own + tuple(beyond)
-
-    def coefficients(self) -> tuple[float, float]:
-        """(a, b). Until the steps seen vary in size: their mean time as a, b = 0."""
-        var = self.sw * self.sxx - self.sx * self.sx
-        if self.sw >= 4 and var > 1e-9 * max(1.0, self.sw * self.sxx):
-            b = (self.sw * self.sxy - self.sx * self.sy) / var
-            a = (self.sy - b * self.sx) / self.sw
-            if a > 0 and b >= 0:
-                return a, b
-        return (self.sy / self.sw, 0.0) if self.sw > 0 else self.prior
-
-    def shares(self, fed: Sequence[int]) -> list[float]:
-        """Each row's fraction of a step that fed these token counts (they sum to 1)."""
-        a, b = self.coefficients()
-        n = len(fed)
-        parts = [a / n + b * f for f in fed]
-        total = sum(parts)
-        return [p / total for p in parts] if total > 0 else [1 / n] * n
 
 
 class RowBatch:

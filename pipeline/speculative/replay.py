@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import statistics
 
-from .bandit import Context, DriftGuard, EpsilonGreedy
+from .bandit import Context, EpsilonGreedy
+from .guard import DriftGuard
 
 
 def load_table(results: dict, draft: str) -> dict[str, dict[int, dict]]:
