@@ -28,7 +28,7 @@ import shutil
 import time
 
 import torch
-from pipeline.speculative.engine import SpeculativeEngine
+from pipeline.speculative.loaded import Models
 
 from benchmarks.common import (
     chat,
@@ -49,7 +49,7 @@ GOALS = {"draft_target_ratio": 0.16, "server_compiled_speedup": 1.4, "self_draft
 
 
 def make_engine(cfg, pair, draft, static_len, subset, compiled, arms) -> SpeculativeEngine:
-    eng = SpeculativeEngine(
+    eng = Models(
         pair.target,
         draft,
         sorted(pair.models.eos_token_ids),
