@@ -204,9 +204,9 @@ def _rec(lat, tokens=10, proposed=0, accepted=0, prompt_tokens=100):
 def test_replay_of_measured_arms_scores_policies_like_the_bench():
     """The bandit replay (benchmarks/bandit_replay.py): arm 0 is always twice as fast as any
     drafting arm."""
+    from benchmarks.bandit_replay import replay
     from pipeline.config import load_config
     from pipeline.serving.policy import make_bandit, make_guard
-    from pipeline.speculative.replay import replay
 
     b = load_config(None, ["bandit.warmup_pulls=1"]).bandit
     arms = ["0", "draft:2", "draft:4", "ngram:2", "ngram:4"]
