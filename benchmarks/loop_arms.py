@@ -56,7 +56,7 @@ def mixed(pair, prompts) -> None:
     """16 rows: a held-back bandit row against a plain one, and against one that guesses."""
 
     def run(arms, gate) -> float:
-        b = RowBatch(pair.engine, max_rows=16)
+        b = RowBatch(pair.models, max_rows=16)
         for r in b.join([(i, prompts[i], 48, parse_arm(a)) for i, a in enumerate(arms)]):
             r.adaptive = True
         t0 = time.perf_counter()
@@ -85,7 +85,7 @@ def held(pair, prompts, arms: list[str], width: int = 16, n: int = 32, rounds: i
     hold = lambda rows: [0] * len(rows)  # noqa: E731 - the gate caps every row at 0
 
     def run(arm: str, count: int) -> tuple[float, float]:
-        b = RowBatch(pair.engine, max_rows=max(16, width))
+        b = RowBatch(pair.models, max_rows=max(16, width))
         todo, tokens, steps = list(range(count)), 0, []
         t0 = time.perf_counter()
         while todo or b.rows:
@@ -120,11 +120,11 @@ def feeds(pair, prompts, width: int = 16, repeat: int = 12) -> None:
 
     from pipeline.speculative.rows import target_logits
 
-    b = RowBatch(pair.engine, max_rows=max(16, width))
+    b = RowBatch(pair.models, max_rows=max(16, width))
     b.join([(i, prompts[i % len(prompts)], 48, parse_arm("0")) for i in range(width)])
     for _ in range(3):
         b.step()
-    tc, _ = b._caches()
+    tc = b._cache()
     rows = list(b.rows)
     slots = [r.tslot for r in rows]
     print(f"{width} rows at {min(tc.lengths[s] for s in slots)}-"
@@ -139,7 +139,7 @@ def feeds(pair, prompts, width: int = 16, repeat: int = 12) -> None:
         lengths = [tc.lengths[s] for s in slots]
         t0 = time.perf_counter()
         with torch.inference_mode():
-            target_logits(pair.engine.target, tc, slots, fed)
+            target_logits(pair.models.target, tc, slots, fed)
         dt = time.perf_counter() - t0
         for s, n in zip(slots, lengths, strict=True):
             tc.crop(s, n)
@@ -164,7 +164,7 @@ def alone(pair, cfg, prompts, arms: list[str]) -> None:
     from pipeline.serving.policy import make_bandit
     from pipeline.speculative.bandit import Context
 
-    b = RowBatch(pair.engine, max_rows=1)
+    b = RowBatch(pair.models, max_rows=1)
     bandit = make_bandit(cfg.bandit, arms, "goodput")
     got = {a: [0, 0, 0.0] for a in arms}  # tokens, steps, seconds
     for a in arms:  # warm: each arm's shapes once
@@ -232,15 +232,14 @@ def kept(pair, cfg, prompts, arm: str, width: int = 4, n: int = 16,
 
         return gate
 
-    shared = RowBatch(pair.engine, max_rows=16)  # one set of cost curves, as a server's
+    shared = RowBatch(pair.models, max_rows=16)  # one set of cost curves, as a server's
 
     def run(a: str, gate) -> tuple[float, float, RowBatch, list]:
-        b = RowBatch(pair.engine, max_rows=16)
+        b = RowBatch(pair.models, max_rows=16)
         b.cost, b.draft_cost, b.head_cost = shared.cost, shared.draft_cost, shared.head_cost
         spent: list[float] = []
-        for name in ("_eagle", "_draft"):
-            inner = getattr(b, name)
-            setattr(b, name, lambda rs, inner=inner: spent.append(inner(rs)) or spent[-1])
+        inner = b._propose  # returns the seconds of the head's or the draft's passes
+        b._propose = lambda rs, inner=inner: spent.append(inner(rs)) or spent[-1]
         todo, tokens, steps, done = list(range(n)), 0, 0, []
         step_gate = gate(b) if gate is gated else gate
         t0 = time.perf_counter()
@@ -454,7 +453,7 @@ def slots(pair) -> None:
 
     from pipeline.speculative.rows import RowCache, target_scores
 
-    model = pair.engine.target
+    model = pair.models.target
     for n in (4, 8, 16):
         cache = RowCache(model, n, 1024)
         order = [cache.alloc() for _ in range(n)]
@@ -509,12 +508,11 @@ def catch_up(pair, prompts, arm: str, rows: int = 8) -> None:
     part (an EAGLE-3 head reads every state held back in that step). Twice each."""
     for hold in (0, 10, 30):
         for _ in range(2):
-            b = RowBatch(pair.engine, max_rows=rows)
+            b = RowBatch(pair.models, max_rows=rows)
             for r in b.join([(i, prompts[i], 60, parse_arm(arm)) for i in range(rows)]):
                 r.adaptive = True
             took: list[float] = []
-            b._eagle = lambda rs, inner=b._eagle, took=took: took.append(inner(rs)) or took[-1]
-            b._draft = lambda rs, inner=b._draft, took=took: took.append(inner(rs)) or took[-1]
+            b._propose = lambda rs, inner=b._propose, took=took: took.append(inner(rs)) or took[-1]
             seen = []
             for s in range(hold + 3):
                 t0 = time.perf_counter()
@@ -537,7 +535,7 @@ def grid(pair, prompts, arm: str) -> None:
     print("rows guessing fed_mean step_ms(median) steps", flush=True)
     for n in (1, 2, 4, 8, 16):
         for g in sorted({0, 1, n // 2, n}):
-            b = RowBatch(pair.engine, max_rows=16)
+            b = RowBatch(pair.models, max_rows=16)
             b.join([(i, prompts[i], 48, parse_arm(arm if i < g else "0")) for i in range(n)])
             seen: list[tuple[int, int, float]] = []
 
@@ -660,10 +658,11 @@ def main() -> None:
         return
     for arm in args.arms:
         for rows in (1, 8):
-            b = RowBatch(pair.engine, max_rows=16)
+            b = RowBatch(pair.models, max_rows=16)
             b.join([(i, prompts[i], 48, parse_arm(arm)) for i in range(rows)])
             heads = []  # the EAGLE-3 head's seconds per step (eagle arms)
-            b._eagle = lambda rs, inner=b._eagle, heads=heads: heads.append(inner(rs)) or heads[-1]
+            if parse_arm(arm).needs_head:
+                b._propose = lambda rs, f=b._propose, h=heads: h.append(f(rs)) or h[-1]
             steps = 0
             t0 = time.perf_counter()
             while b.rows:
