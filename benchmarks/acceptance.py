@@ -121,7 +121,9 @@ def train_arm(args, ws: Workspace, arm: str) -> dict:
 def measure(cfg, ws: Workspace, target, spec: str, args, full_head: bool = False) -> dict:
     """Acceptance at fixed k on the held-out prompts, overall and per position, and the
     draft's step cost (eager, one token, the config's pruned head unless `full_head`)."""
-    pair = models.load_pair(cfg, ws, spec, share_target=target, full_head=full_head)
+    pair = models.load_pair(
+        cfg, ws, spec, share_target=target, full_head=full_head, head_dir=None
+    )  # draft:K only: no head beside it
     loaded, arm = pair.models, parse_arm(args.k)
     batch = RowBatch(loaded, max_rows=1, limit=cfg.engine.max_context)
     ids = prompt_ids(cfg, target.tokenizer, read_jsonl(ws.test_file)[: args.prompts])

@@ -247,7 +247,9 @@ def main() -> None:
         })  # fmt: skip
         print(f"{name}: acceptance {m['acceptance']:.3f}, {m['tokens_per_pass']:.2f} tokens/pass")
     for spec in args.drafts:
-        dp = models.load_pair(cfg, ws, spec, share_target=pair, full_head=spec.startswith("cut:"))
+        dp = models.load_pair(
+            cfg, ws, spec, share_target=pair, full_head=spec.startswith("cut:"), head_dir=None
+        )  # draft:K only: no head beside it
         m = engine_row(RowBatch(dp.models, max_rows=1, limit=limit), test, args.k, args.tokens)
         rows.append({
             "name": spec, "kind": "draft (engine)", "measured": m,

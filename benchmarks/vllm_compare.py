@@ -105,7 +105,8 @@ def part_fidelity(cfg, ws: Workspace, args) -> dict:
     target = models.load_pair(cfg, ws, None)
     out = {"draft": draft, "prompts": len(prompts), "max_new_tokens": n, "k": {}}
     heads = {"full head": True, "pruned head": False} if cfg.engine.draft_vocab else {"": True}
-    pairs = {name: models.load_pair(cfg, ws, draft, share_target=target, full_head=full)
+    pairs = {name: models.load_pair(cfg, ws, draft, share_target=target, full_head=full,
+                                    head_dir=None)  # draft:K only: no head beside it
              for name, full in heads.items()}  # fmt: skip
     loops = {name: RowBatch(pair.models, max_rows=1, limit=cfg.engine.max_context)
              for name, pair in pairs.items()}  # fmt: skip
