@@ -1,5 +1,6 @@
 """What the benchmark scripts share: the environment header, running a stage or a server the way a
-user does (`python -m pipeline ...`), timing one model step, and writing results.
+user does (`python -m pipeline ...`), timing one draft pass, and writing results. (A target's pass
+is timed by the step loop's own `speculative.runner.step_ms`.)
 
 Scripts run from the repository root as modules: `.venv/bin/python -m benchmarks.serving_load`.
 """
@@ -14,9 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import requests
+import torch
 
 from pipeline import models
 from pipeline.bench import environment as _environment
+from pipeline.speculative.rows import RowCache, draft_scores, prefill
+from pipeline.speculative.sampling import greedy_ids
 from pipeline.subprocs import PREEXEC, free_port, stop
 from pipeline.teacher import serve_command
 from pipeline.workspace import atomic_write_json, atomic_write_text
@@ -35,6 +39,25 @@ def header(env: dict) -> str:
         f"{env['hardware']}; {env['device']}, {env['dtype']}, {env['threads']} threads; torch "
         f"{env['torch']}, transformers {env['transformers']}; {env['date']}"
     )
+
+
+@torch.inference_mode()
+def draft_step_ms(drafter, repeat: int = 30, context: int = 64) -> float:
+    """Median milliseconds of one draft pass of a `propose.draft_model.Drafter` as its proposer
+    runs it (one token fed, scored by the drafter's head, pruned or full, the greedy pick read
+    back) after a prefill of `context` tokens, in a scratch cache of its own: what
+    `speculative.runner.step_ms` is for a target. Prepare the model first (`runner.prepare`)."""
+    model = drafter.model
+    cache = RowCache(model, 1, context + 1)
+    slot = cache.alloc()
+    prefill(model, cache, [slot], [[0] * context])
+    times = []
+    for _ in range(repeat + 1):
+        t0 = time.perf_counter()
+        greedy_ids(draft_scores(model, cache, [slot], [[0]], drafter.head)).tolist()
+        times.append(time.perf_counter() - t0)
+        cache.crop(slot, context)
+    return 1000 * sorted(times[1:])[repeat // 2]
 
 
 def table(head: list[str], rows: list[list]) -> list[str]:

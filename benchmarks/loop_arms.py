@@ -164,9 +164,8 @@ def kept(pair, cfg, prompts, arm: str, width: int = 4, n: int = 16,
         b = RowBatch(pair.models, max_rows=16)
         b.cost, b.draft_cost, b.head_cost = shared.cost, shared.draft_cost, shared.head_cost
         spent: list[float] = []
-        for name in ("_eagle", "_draft"):
-            inner = getattr(b, name)
-            setattr(b, name, lambda rs, inner=inner: spent.append(inner(rs)) or spent[-1])
+        inner = b._propose  # returns the seconds of the head's or the draft's passes
+        b._propose = lambda rs, inner=inner: spent.append(inner(rs)) or spent[-1]
         todo, tokens, steps, done = list(range(n)), 0, 0, []
         step_gate = gate(b) if gate is gated else gate
         t0 = time.perf_counter()
@@ -431,7 +430,8 @@ def main() -> None:
             b = RowBatch(pair.models, max_rows=16)
             b.join([(i, prompts[i], 48, parse_arm(arm)) for i in range(rows)])
             heads = []  # the EAGLE-3 head's seconds per step (eagle arms)
-            b._eagle = lambda rs, inner=b._eagle, heads=heads: heads.append(inner(rs)) or heads[-1]
+            if parse_arm(arm).needs_head:
+                b._propose = lambda rs, f=b._propose, h=heads: h.append(f(rs)) or h[-1]
             steps = 0
             t0 = time.perf_counter()
             while b.rows:
