@@ -30,6 +30,13 @@ def same_draft(a: str, b: str) -> bool:
     return wa == wb if wa is not None and wb is not None else a == b
 
 
+def same_head(head: str | None, core) -> bool:
+    """Whether `head` (a directory, or None) is the EAGLE-3 head the core serves beside its
+    draft (`draft_info["head"]`): a new head beside the same draft model is a reload too."""
+    now = (core.draft_info or {}).get("head")
+    return head == now if head is None or now is None else same_draft(head, now)
+
+
 class DraftReloader:
     def __init__(self, cfg, ws, get_core, telemetry, metrics):
         self.cfg, self.ws = cfg, ws
@@ -88,7 +95,7 @@ class DraftReloader:
             try:
                 served = resolve_served(self.cfg, self.ws)
                 ref = specs.resolve(served.spec, self.ws.models_cache, core.pair.target_ref)
-                if same_draft(ref, core.pair.draft_ref):
+                if same_draft(ref, core.pair.draft_ref) and same_head(served.head, core):
                     return {"reloaded": False, "reason": "already serving it", "draft": old}
                 head = models.is_eagle3(ref)
                 if (not head, head or served.head is not None) != (core.has_draft, core.has_head):

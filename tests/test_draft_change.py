@@ -146,3 +146,39 @@ def test_a_new_draft_is_measured_under_sustained_load_within_the_bound(tiny_mode
     assert measured is not None and len(measured) == 3  # both positions measured
     assert measured[1][1] > 1.0  # nonzero acceptance of the new draft
     core.close()
+
+
+def test_a_reload_swaps_a_new_head_beside_the_same_draft_model(
+    tiny_models, tiny_pair, head, tmp_path, monkeypatch
+):
+    """`server.draft` resolves to the same draft model with another head beside it: the reload
+    swaps (it answered "already serving it", and the new head never served)."""
+    from pipeline import reload as reloading
+    from pipeline.drafts import ServedDraft
+    from pipeline.metrics import Metrics
+    from pipeline.telemetry import NullTelemetry
+    from pipeline.workspace import Workspace
+
+    one, two = head_dir(tmp_path, "one", b"head one"), head_dir(tmp_path, "two", b"head two")
+    core = core_with_head(tiny_models, head, one, tmp_path / "bandit.json")
+    core.pair = Pair(core.pair.tokenizer, core.pair.models, *tiny_pair)  # real directories
+    core.scheduler.start()
+    ws = Workspace(tmp_path / "art")
+    metrics = Metrics(lambda: 0.0, lambda: 0.0)
+    reloader = reloading.DraftReloader(
+        load_config(None), ws, lambda: core, NullTelemetry(), metrics
+    )
+    loaded = []
+
+    def load(served, current):
+        loaded.append(served.head)
+        return current
+
+    reloader._load = load
+    for beside, swapped in ((one, False), (two, True)):
+        served = ServedDraft(tiny_pair[1], "explicit", head=beside)  # the same draft model
+        monkeypatch.setattr(reloading, "resolve_served", lambda *_a, s=served: s)
+        out = reloader.reload("test")
+        assert out["reloaded"] is swapped, out
+    assert loaded == [two] and core.draft_info["head"] == two
+    core.close()
