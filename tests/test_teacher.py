@@ -9,11 +9,11 @@ import pytest
 import yaml
 
 from pipeline.errors import TeacherUnavailable
-from pipeline.teacher import (
+from pipeline.teacher import load_answers
+from pipeline.teacher_client import (
     RetryBudget,
     TeacherClient,
     TeacherRequestError,
-    load_answers,
     retry_after_seconds,
 )
 from tests.conftest import CI, ROOT, copy_workspace, run_cli
@@ -232,7 +232,7 @@ def test_the_local_teacher_gets_the_context_its_longest_prompt_needs(distilled_w
     and uncaptured."""
     from pipeline import models
     from pipeline.config import load_config
-    from pipeline.teacher import local_context, local_teacher_config
+    from pipeline.local_teacher import local_context, local_teacher_config
     from pipeline.workspace import Workspace, read_jsonl
 
     ws = Workspace(distilled_ws)
