@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from pipeline import eagle3, models, train
-from pipeline.speculative.eagle3 import HeadCache, config_from_target, default_aux_layers
+from pipeline.speculative.eagle3 import HeadCache
+from pipeline.speculative.eagle3_config import config_from_target, default_aux_layers
 
 
 @pytest.fixture(scope="module")
