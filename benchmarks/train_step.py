@@ -25,7 +25,7 @@ import torch
 from pipeline import distillation, models
 from pipeline.bench import environment
 from pipeline.config import load_config
-from pipeline.train import build_examples, pad_id
+from pipeline.train_data import build_examples, pad_id
 from pipeline.workspace import Workspace, atomic_write_json, read_jsonl
 
 

@@ -96,7 +96,7 @@ def _gap_to_target(art, draft_dir, kind, n=6) -> float:
     """Mean divergence(target, draft) over the answer tokens of the first n training answers."""
     cfg = load_config("configs/ci.yaml")
     from pipeline.teacher import load_answers
-    from pipeline.train import build_examples
+    from pipeline.train_data import build_examples
     from pipeline.workspace import Workspace
 
     ws = Workspace(art)
