@@ -200,72 +200,28 @@ def make_trainer_class():
             if self.objective == "sft":
                 loss = F.cross_entropy(logits.float(), labels)
             elif self.sparse is not None:
-                ids, logp = self._sparse_targets(b["row"], logits.device)
+                ids, logp = gather_sparse(self.sparse, b["row"], logits.device)
                 loss = sparse_divergence(logits, ids, logp, self.divergence_kind).mean()
             else:
                 t = teacher_logits(self.teacher, b["input_ids"], b["attention_mask"], at)
-                loss = self._teacher_loss(logits, t)
+                loss = teacher_divergence(logits, t, self.top_k, self.divergence_kind)
             return loss, (logits.argmax(-1) == labels).float().mean()
-
-        def _teacher_loss(self, s_logits, t_logits) -> torch.Tensor:
-            if self.top_k:
-                ids, logp = top_k_sparse(t_logits, self.top_k)
-                return sparse_divergence(s_logits, ids, logp, self.divergence_kind).mean()
-            return dense_divergence(s_logits, t_logits, self.divergence_kind).mean()
-
-        def _sparse_targets(self, rows: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
-            parts = [self.sparse[int(r)] for r in rows]
-            return (
-                torch.cat([p[0] for p in parts]).to(device),
-                torch.cat([p[1] for p in parts]).to(device),
-            )
 
         # On-policy: the draft continues the prompts; the target scores its tokens.
         def _on_policy_loss(self, model, b) -> tuple[torch.Tensor, torch.Tensor]:
-            ids, att = _left_padded_prompts(b, self.pad_id)
-            gen_model = self.accelerator.unwrap_model(model)
-            was_training = gen_model.training
-            gen_model.eval()
-            sample = self.on_policy["temperature"] > 0
-            with torch.no_grad():
-                out = gen_model.generate(
-                    input_ids=ids,
-                    attention_mask=att,
-                    max_new_tokens=self.on_policy["max_new_tokens"],
-                    do_sample=sample,
-                    temperature=self.on_policy["temperature"] if sample else None,
-                    top_p=None,
-                    top_k=None,
-                    pad_token_id=self.pad_id,
-                    eos_token_id=self.on_policy["eos"],
-                    use_cache=True,
-                )
-            gen_model.train(was_training)
-            new = out[:, ids.shape[1] :]
-            done = torch.zeros(new.shape[0], dtype=torch.bool, device=new.device)
-            keep = torch.zeros_like(new, dtype=torch.bool)
-            for j in range(new.shape[1]):  # each row's tokens up to and including its end-of-turn
-                keep[:, j] = ~done
-                done |= torch.isin(
-                    new[:, j], torch.tensor(self.on_policy["eos"], device=new.device)
-                )
-            full_att = torch.cat([att, keep.long()], 1)
-            mask = torch.cat([torch.zeros_like(att), keep.long()], 1)
+            draft = self.accelerator.unwrap_model(model)
+            out, full_att, mask = draft_rollout(draft, b, self.pad_id, self.on_policy)
             pos = (full_att.cumsum(-1) - 1).clamp(min=0)
             at = shifted(mask)
             logits = model(input_ids=out, attention_mask=full_att, position_ids=pos, logits_at=at)
             t = teacher_logits(self.teacher, out, full_att, at, position_ids=pos)
             match = (logits.argmax(-1) == t.argmax(-1)).float().mean()
-            return self._teacher_loss(logits, t), match
+            return teacher_divergence(logits, t, self.top_k, self.divergence_kind), match
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             mode = "train" if model.training else "eval"
-            use_policy = (
-                self.objective == "on_policy"
-                and model.training
-                and self._rng.random() < self.on_policy["ratio"]
-            )
-            if use_policy:
+            policy_batch = self.objective == "on_policy" and model.training
+            if policy_batch and self._rng.random() < self.on_policy["ratio"]:
                 loss, match = self._on_policy_loss(model, inputs)
                 self._metrics[mode]["on_policy_batches"].append(1.0)
             else:
@@ -277,6 +233,62 @@ def make_trainer_class():
             return (loss, None) if return_outputs else loss
 
     return DistillTrainer
+
+
+def teacher_divergence(s_logits, t_logits, top_k: int | None, kind: str) -> torch.Tensor:
+    """The mean divergence of the draft's logits from the target's: over the target's top_k
+    (the rest as one bucket) where top_k is set, else over the full distribution."""
+    if top_k:
+        ids, logp = top_k_sparse(t_logits, top_k)
+        return sparse_divergence(s_logits, ids, logp, kind).mean()
+    return dense_divergence(s_logits, t_logits, kind).mean()
+
+
+def gather_sparse(
+    sparse: dict[int, tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's rows' stored (ids, logp) per answer token, concatenated in row order."""
+    parts = [sparse[int(r)] for r in rows]
+    return (
+        torch.cat([p[0] for p in parts]).to(device),
+        torch.cat([p[1] for p in parts]).to(device),
+    )
+
+
+def draft_rollout(
+    draft, b: dict[str, torch.Tensor], pad_id: int, on_policy: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The draft continues each row's prompt (left-padded; `on_policy`: max_new_tokens,
+    temperature, eos), without gradients and in eval mode (its mode restored after). Returns
+    the sequences [B, prompt + new], their attention mask, and the mask of the new tokens kept:
+    each row's up to and including its end-of-turn."""
+    ids, att = _left_padded_prompts(b, pad_id)
+    was_training = draft.training
+    draft.eval()
+    sample = on_policy["temperature"] > 0
+    with torch.no_grad():
+        out = draft.generate(
+            input_ids=ids,
+            attention_mask=att,
+            max_new_tokens=on_policy["max_new_tokens"],
+            do_sample=sample,
+            temperature=on_policy["temperature"] if sample else None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=pad_id,
+            eos_token_id=on_policy["eos"],
+            use_cache=True,
+        )
+    draft.train(was_training)
+    new = out[:, ids.shape[1] :]
+    done = torch.zeros(new.shape[0], dtype=torch.bool, device=new.device)
+    keep = torch.zeros_like(new, dtype=torch.bool)
+    for j in range(new.shape[1]):  # each row's tokens up to and including its end-of-turn
+        keep[:, j] = ~done
+        done |= torch.isin(new[:, j], torch.tensor(on_policy["eos"], device=new.device))
+    full_att = torch.cat([att, keep.long()], 1)
+    mask = torch.cat([torch.zeros_like(att), keep.long()], 1)
+    return out, full_att, mask
 
 
 def _left_padded_prompts(b: dict[str, torch.Tensor], pad_id: int):
