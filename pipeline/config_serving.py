@@ -52,8 +52,8 @@ class BanditConfig(Section):
         0.05,
         ge=0,
         description="goodput: what speculate_margin grows by for every row past two (the "
-        "prediction of a step errs more, towards guessing, as rows grow: measured on a 2-core "
-        "CPU, docs/serving.md). 0: one margin at every load.",
+        "prediction of a step errs more, towards guessing, as rows grow: docs/serving.md). "
+        "0: one margin at every load.",
     )
     bench_prior_rounds: int = Field(
         200,

@@ -112,8 +112,8 @@ def command(
 
 
 def environment(cfg: Config, python: str) -> dict[str, str]:
-    """vLLM's environment on a CPU: every core (it uses one unless told), Intel OpenMP
-    preloaded when its environment has it (speculation wants it), a bounded KV cache."""
+    """vLLM's environment on a CPU: every core (it uses one unless told), the libiomp5 OpenMP
+    runtime preloaded when its environment has it (speculation wants it), a bounded KV cache."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(cfg.vllm.threads or os.cpu_count() or 1))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.vllm.kv_cache_gib))
