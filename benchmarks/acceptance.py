@@ -1,5 +1,5 @@
 """Which distillation moves acceptance (issue 17): drafts trained on the same answers for the same
-wall-clock budget, then measured in the engine on held-out prompts. A benchmark, not a test.
+wall-clock budget, then measured in the step loop on held-out prompts. A benchmark, not a test.
 
     # measure drafts that exist (specs or merged directories)
     .venv/bin/python -m benchmarks.acceptance --artifacts artifacts --drafts cut:4 artifacts/merged
@@ -17,9 +17,11 @@ measured again, so a later `--arms X` adds its row to the table.
 Each arm trains in its own workspace (<artifacts>/perf/acceptance/<arm>/) on the first --answers
 teacher answers of <artifacts>/teacher/answers.jsonl, full fine-tuning at the config's learning
 rate, with max_steps set so that it trains for --budget-s seconds (the seconds per step come from
-a 4-step calibration run of the same arm). Then: merge, and in the engine (eager, the config's
-pruned head) greedy generation at fixed k on the held-out prompts: acceptance overall and per
-draft position, and the draft's step cost. Writes <artifacts>/perf/acceptance.json and .md.
+a 4-step calibration run of the same arm). Then: merge, and in the step loop (`batch.generate`,
+one request at a time, eager, the config's pruned head) greedy generation at fixed k on the
+held-out prompts: acceptance overall and per draft position, and the draft's and the target's
+step costs (one token after a 64-token prefill: `common.draft_step_ms`, `runner.step_ms`).
+Writes <artifacts>/perf/acceptance.json and .md.
 """
 
 from __future__ import annotations
@@ -30,10 +32,13 @@ import shutil
 import time
 from pathlib import Path
 
-from benchmarks.common import environment, header, run_stage, step_ms, write_results
+from benchmarks.common import draft_step_ms, environment, header, run_stage, write_results
 from pipeline import models
 from pipeline.bench import prompt_ids
 from pipeline.config import load_config
+from pipeline.speculative.arms import parse_arm
+from pipeline.speculative.batch import RowBatch, generate
+from pipeline.speculative.runner import step_ms
 from pipeline.workspace import Workspace, atomic_write_json, atomic_write_text, read_jsonl
 
 DEFAULT_ARMS = ["sft@4", "kd@4", "kd-top20@4", "on-policy@4", "sft@6", "kd-top20@6"]
@@ -116,22 +121,25 @@ def train_arm(args, ws: Workspace, arm: str) -> dict:
 def measure(cfg, ws: Workspace, target, spec: str, args, full_head: bool = False) -> dict:
     """Acceptance at fixed k on the held-out prompts, overall and per position, and the
     draft's step cost (eager, one token, the config's pruned head unless `full_head`)."""
-    pair = models.load_pair(cfg, ws, spec, share_target=target, full_head=full_head)
-    eng = pair.engine
+    pair = models.load_pair(
+        cfg, ws, spec, share_target=target, full_head=full_head, head_dir=None
+    )  # draft:K only: no head beside it
+    loaded, arm = pair.models, parse_arm(args.k)
+    batch = RowBatch(loaded, max_rows=1, limit=cfg.engine.max_context)
     ids = prompt_ids(cfg, target.tokenizer, read_jsonl(ws.test_file)[: args.prompts])
     acc = prop = 0
     pos_acc = [0] * args.k
     pos_prop = [0] * args.k
     for p in ids:
-        r = eng.generate(p, args.k, args.tokens)
+        r = generate(loaded, p, arm, args.tokens, batch=batch)
         acc, prop = acc + r.accepted, prop + r.proposed
         for i, (a, n) in enumerate(
             zip(r.accepted_per_position, r.proposed_per_position, strict=True)
         ):
             pos_acc[i] += a
             pos_prop[i] += n
-    draft_ms = step_ms(eng.drafter.step, ids[0], 30, feed=0)
-    target_ms = step_ms(eng.target_step, ids[0], 30)
+    draft_ms = draft_step_ms(loaded.drafter, 30)  # its models prepared by the batch
+    target_ms = step_ms(loaded.target, 1, repeat=30)
     return {
         "acceptance": acc / prop if prop else None,
         "accepted": acc,
@@ -177,7 +185,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--k", type=int, default=4)
     args = ap.parse_args()
-    # Acceptance does not depend on compiling; the engine stays eager here (no compile waits).
+    # Acceptance does not depend on compiling; the step loop stays eager here (no compile waits).
     cfg = load_config(args.config, ["engine.compile=false"])
     ws = Workspace(args.artifacts)
     args.batch_size = load_config(args.config, args.set).train.batch_size

@@ -1,7 +1,8 @@
 """What the benchmark scripts share: the environment header, running a stage or a server the way a
-user does (`python -m pipeline ...`), timing one model step, and writing results.
+user does (`python -m pipeline ...`), timing one draft pass, and writing results. (A target's pass
+is timed by the step loop's own `speculative.runner.step_ms`.)
 
-Scripts run from the repository root as modules: `.venv/bin/python -m benchmarks.engine`.
+Scripts run from the repository root as modules: `.venv/bin/python -m benchmarks.serving_load`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 from pipeline import models
 from pipeline.bench import environment as _environment
 from pipeline.local_teacher import serve_command
-from pipeline.speculative.steps import ModelStep, crop_to
+from pipeline.speculative.rows import RowCache, draft_scores, prefill
+from pipeline.speculative.sampling import greedy_ids
 from pipeline.subprocs import PREEXEC, free_port, stop
 from pipeline.workspace import atomic_write_json, atomic_write_text
 
@@ -37,6 +39,25 @@ def header(env: dict) -> str:
         f"{env['hardware']}; {env['device']}, {env['dtype']}, {env['threads']} threads; torch "
         f"{env['torch']}, transformers {env['transformers']}; {env['date']}"
     )
+
+
+@torch.inference_mode()
+def draft_step_ms(drafter, repeat: int = 30, context: int = 64) -> float:
+    """Median milliseconds of one draft pass of a `propose.draft_model.Drafter` as its proposer
+    runs it (one token fed, scored by the drafter's head, pruned or full, the greedy pick read
+    back) after a prefill of `context` tokens, in a scratch cache of its own: what
+    `speculative.runner.step_ms` is for a target. Prepare the model first (`runner.prepare`)."""
+    model = drafter.model
+    cache = RowCache(model, 1, context + 1)
+    slot = cache.alloc()
+    prefill(model, cache, [slot], [[0] * context])
+    times = []
+    for _ in range(repeat + 1):
+        t0 = time.perf_counter()
+        greedy_ids(draft_scores(model, cache, [slot], [[0]], drafter.head)).tolist()
+        times.append(time.perf_counter() - t0)
+        cache.crop(slot, context)
+    return 1000 * sorted(times[1:])[repeat // 2]
 
 
 def table(head: list[str], rows: list[list]) -> list[str]:
@@ -130,24 +151,3 @@ def chat(url: str, model: str, text: str, tokens: int, phoenix: dict | None = No
     r = requests.post(url + "/v1/chat/completions", json=body, timeout=900)
     r.raise_for_status()
     return r.json()
-
-
-def step_ms(step: ModelStep, prompt: list[int], steps: int, feed: int = 1) -> float:
-    """Median milliseconds of one step after a prefill of `prompt`: a target step (`feed`
-    tokens: 1 = decode, k+1 = a verify) or a draft step (`feed` 0: one token, its next token);
-    the cache is cut back after each step so every step sees the same length."""
-    keep = (lambda n: (n,)) if feed else (lambda n: ())
-    cache = step.new_cache()
-    step(prompt, cache, *keep(1))
-    n = len(prompt)
-    sync = torch.cuda.synchronize if step.device.type == "cuda" else (lambda: None)
-    times = []
-    for i in range(steps + 3):
-        sync()
-        t0 = time.perf_counter()
-        step(prompt[i % n : i % n + 1] * max(feed, 1), cache, *keep(max(feed, 1)))
-        sync()
-        times.append(time.perf_counter() - t0)
-        crop_to(cache, n)
-    times = sorted(times[3:])
-    return 1000 * times[len(times) // 2]  # the median: robust to a noisy neighbour

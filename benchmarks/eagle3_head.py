@@ -10,14 +10,17 @@ The target's hidden states over every training prompt + answer are computed once
 under <artifacts>/eagle3/ (keyed by the target's weights and the answers' tokens). The head is
 exported to <artifacts>/perf/eagle3/<name>/head/. Acceptance, greedy at fixed k on the first
 --prompts held-out prompts for --tokens tokens:
-  - a draft (a merged directory or spec): in the engine (`engine.generate`, eager);
+  - a draft (a merged directory or spec): in the step loop (`batch.generate`, eager);
   - the head: its rounds replayed on the target's own greedy output (the head's `propose` with
     the target's hidden states of the committed tokens, read from one forward over prompt +
     output; the guesses checked against the target's tokens). Greedy output does not depend on
-    the guesses, so this is the round sequence the engine would run, with the target's hidden
+    the guesses, so this is the round sequence an eagle:K row of the step loop runs (its first
+    step feeds the prompt's last token; K capped by the budget), with the target's hidden
     states from one pass instead of from each verify pass (bf16/fp32 rounding apart).
 Per row: acceptance, per position, tokens per target pass ((accepted + rounds) / rounds), the
-step costs (ms; the head's: one token after the prompt, cache held) and the training time.
+step costs (ms; the head's: one token after the prompt, cache held; a draft's and the target's:
+one token after a 64-token prefill, `common.draft_step_ms` and `runner.step_ms`) and the
+training time.
 Writes <artifacts>/perf/eagle3_head.json and .md (rows of earlier runs kept by name).
 """
 
@@ -30,12 +33,15 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import environment, header, step_ms, write_results
-from pipeline import eagle3, models, train_data
+from benchmarks.common import draft_step_ms, environment, header, write_results
+from pipeline import eagle3, models, specs, train_data
 from pipeline.artifacts import weights_id
 from pipeline.bench import prompt_ids
 from pipeline.config import load_config
+from pipeline.speculative.arms import PLAIN, parse_arm
+from pipeline.speculative.batch import RowBatch, generate
 from pipeline.speculative.eagle3 import HeadCache
+from pipeline.speculative.runner import step_ms
 from pipeline.teacher import load_all_answers
 from pipeline.workspace import Workspace, read_jsonl
 
@@ -77,20 +83,22 @@ def figures(acc: int, prop: int, rounds: int, pos_acc: list, pos_prop: list) -> 
     }
 
 
-def replay(head, target, eng, prompts: list[list[int]], k: int, tokens: int, aux_ids) -> dict:
+def replay(head, target, batch: RowBatch, prompts: list[list[int]], k: int, tokens: int,
+           aux_ids) -> dict:  # fmt: skip
+    """The head's rounds on the target's greedy output (`batch`: the target's step loop)."""
     acc = prop = rounds = out_tokens = 0
     pos_acc, pos_prop = [0] * k, [0] * k
     for p in prompts:
-        y = eng.generate(p, 0, tokens).token_ids
+        y = generate(batch.models, p, PLAIN, tokens, batch=batch).token_ids
         seq = p + y
         with torch.no_grad():
             o = target(input_ids=torch.tensor([seq]), output_hidden_states=True)
         aux = torch.cat([o.hidden_states[a][0] for a in aux_ids], dim=-1).float()
         cache = HeadCache()
-        m = len(p)  # seq[m] = the prefill's token; the rounds start there
+        m = len(p) - 1  # the step loop's first step feeds the prompt's last token
         while m < len(seq) - 1:
-            kk = min(k, len(seq) - 1 - m)
-            guesses = head.propose(seq[: m + 1], aux[:m], cache, kk)
+            kk = min(k, tokens - (m + 1 - len(p)) - 1, len(seq) - 1 - m)  # its budget caps k
+            guesses = head.propose(seq[: m + 1], aux[:m], cache, kk) if kk > 0 else []
             a = 0
             while a < kk and guesses[a] == seq[m + 1 + a]:
                 a += 1
@@ -103,11 +111,12 @@ def replay(head, target, eng, prompts: list[list[int]], k: int, tokens: int, aux
     return {**figures(acc, prop, rounds, pos_acc, pos_prop), "output_tokens": out_tokens}
 
 
-def engine_row(eng, prompts, k, tokens) -> dict:
+def engine_row(batch: RowBatch, prompts, k, tokens) -> dict:
+    """A draft model at draft:k in the step loop (`batch`), one request at a time."""
     acc = prop = rounds = 0
     pos_acc, pos_prop = [0] * k, [0] * k
     for p in prompts:
-        r = eng.generate(p, k, tokens)
+        r = generate(batch.models, p, parse_arm(k), tokens, batch=batch)
         acc, prop, rounds = acc + r.accepted, prop + r.proposed, rounds + r.rounds
         for i, (a, n) in enumerate(
             zip(r.accepted_per_position, r.proposed_per_position, strict=True)
@@ -161,8 +170,10 @@ def main() -> None:
     ws = Workspace(args.artifacts)
     pair = models.load_pair(cfg, ws, None)
     target, tok = pair.target, pair.tokenizer
-    tref = models.resolve(cfg.models.target, ws.models_cache)
+    tref = specs.resolve(cfg.models.target, ws.models_cache)
     test = prompt_ids(cfg, tok, read_jsonl(ws.test_file)[: args.prompts])
+    limit = cfg.engine.max_context
+    loop = RowBatch(pair.models, max_rows=1, limit=limit)  # the target alone, as the server runs it
     rows = []
     if not args.skip_train or args.name:
         name = args.name or f"eagle3-{args.answers or 'all'}"
@@ -180,7 +191,7 @@ def main() -> None:
             ranked = [[t, n] for t, n in sorted(counts.items(), key=lambda kv: -kv[1]) if n]
             vocab = models.top_tokens(
                 ranked, cfg.engine.draft_vocab or target.config.vocab_size,
-                target.config.vocab_size, sorted(pair.engine.eos_token_ids),
+                target.config.vocab_size, sorted(pair.models.eos_token_ids),
             )  # fmt: skip
             head = eagle3.new_head(target, vocab, args.aux, init=not args.no_init)
             aux_ids = head.config.aux_layer_ids
@@ -224,7 +235,7 @@ def main() -> None:
                 export_dir, target, models.verifier_name(cfg, tref)
             )  # what vLLM gets
         aux_ids = head.config.aux_layer_ids
-        m = replay(head, target, pair.engine, test, args.k, args.tokens, aux_ids)
+        m = replay(head, target, loop, test, args.k, args.tokens, aux_ids)
         with torch.no_grad():
             o = target(input_ids=torch.tensor([test[0]]), output_hidden_states=True)
         aux0 = torch.cat([o.hidden_states[a][0] for a in aux_ids], dim=-1)
@@ -232,16 +243,18 @@ def main() -> None:
             "name": name, "kind": "eagle3 (replayed)", "answers": meta.get("rows"),
             "train_s": meta["runtime_s"] + meta.get("states_s", 0.0), "train": meta,
             "measured": m, "draft_ms": head_ms(head, test[0], aux0),
-            "target_ms": step_ms(pair.engine.target_step, test[0], 30),
+            "target_ms": step_ms(target, 1, repeat=30),
         })  # fmt: skip
         print(f"{name}: acceptance {m['acceptance']:.3f}, {m['tokens_per_pass']:.2f} tokens/pass")
     for spec in args.drafts:
-        dp = models.load_pair(cfg, ws, spec, share_target=pair, full_head=spec.startswith("cut:"))
-        m = engine_row(dp.engine, test, args.k, args.tokens)
+        dp = models.load_pair(
+            cfg, ws, spec, share_target=pair, full_head=spec.startswith("cut:"), head_dir=None
+        )  # draft:K only: no head beside it
+        m = engine_row(RowBatch(dp.models, max_rows=1, limit=limit), test, args.k, args.tokens)
         rows.append({
             "name": spec, "kind": "draft (engine)", "measured": m,
-            "draft_ms": step_ms(dp.engine.drafter.step, test[0], 30, feed=0),
-            "target_ms": step_ms(pair.engine.target_step, test[0], 30),
+            "draft_ms": draft_step_ms(dp.models.drafter, 30),  # prepared by its batch
+            "target_ms": step_ms(target, 1, repeat=30),
         })  # fmt: skip
         print(f"{spec}: acceptance {m['acceptance']:.3f}, {m['tokens_per_pass']:.2f} tokens/pass")
     perf = ws.root / "perf"

@@ -5,14 +5,16 @@
         [--parts steps generate server] [--set k=v ...]
     (splits the workspace if it is not split yet; the distilled rows need `make merge`)
 
-1. steps: one decoding step (one token fed, static vs growing cache as each engine uses it) of
-   the target, and of the draft with its full and its pruned head (`engine.draft_vocab`), eager
-   and compiled; and the target's verify of 5 tokens. Goal: draft / target <= 0.16.
-2. generate: tokens/s of the engine on held-out prompts: target-only eager vs compiled; the
-   target drafting for itself at each `--self-draft` arm (every guess accepted: pure loop
-   overhead; goal fixed_4 >= 0.90x); the distilled draft at fixed_1/2/4 (pruned head), compiled;
-   with `--hf`, transformers' own `generate` and assisted generation (self-draft, constant
-   schedule), eager. Ratios against compiled target-only; every output checked against it.
+1. steps: one decoding step as the step loop runs it (one token fed after a 64-token prefill:
+   `runner.step_ms`) of the target, and one draft pass with its full and its pruned head
+   (`engine.draft_vocab`; `common.draft_step_ms`), eager and compiled (`compiling.compile_engine`
+   with engine.compile=true); and the target's verify of 5 tokens. Goal: draft / target <= 0.16.
+2. generate: tokens/s of the step loop (`batch.generate`, one request at a time) on held-out
+   prompts: target-only eager vs compiled; the target drafting for itself at each `--self-draft`
+   arm (every guess accepted: pure loop overhead; goal fixed_4 >= 0.90x); the distilled draft at
+   fixed_1/2/4 (pruned head), compiled; with `--hf`, transformers' own `generate` and assisted
+   generation (self-draft, constant schedule), eager. Ratios against compiled target-only; every
+   output checked against it.
 3. server: `python -m pipeline serve` as users start it: time to /health 200 cold (empty compile
    cache) and warm (restarted), and target-only tokens/s through HTTP, eager vs compiled (one
    request at a time, server.max_batch=1, so requests take the engine). Goal: >= 1.4x eager.
@@ -26,74 +28,69 @@ import argparse
 import os
 import shutil
 import time
+from dataclasses import replace
 
 import torch
 
 from benchmarks.common import (
     chat,
+    draft_step_ms,
     environment,
     header,
     served_model,
     server,
-    step_ms,
     table,
     write_results,
 )
-from pipeline import bench, models
+from pipeline import bench, compiling, models, specs
 from pipeline.config import load_config
-from pipeline.speculative.engine import SpeculativeEngine
+from pipeline.speculative.arms import parse_arm
+from pipeline.speculative.batch import RowBatch, generate
+from pipeline.speculative.loaded import Models
+from pipeline.speculative.propose.draft_model import Drafter
+from pipeline.speculative.runner import prepare, step_ms
 from pipeline.workspace import Workspace, atomic_write_json, read_jsonl
 
 PARTS = ("steps", "generate", "server")
 GOALS = {"draft_target_ratio": 0.16, "server_compiled_speedup": 1.4, "self_draft_fixed_4": 0.90}
 
 
-def make_engine(cfg, pair, draft, static_len, subset, compiled, arms) -> SpeculativeEngine:
-    eng = SpeculativeEngine(
-        pair.target,
-        draft,
-        sorted(pair.engine.eos_token_ids),
-        pair.tokenizer.pad_token_id,
-        static_len=static_len,
-        draft_token_ids=subset,
-    )
-    if compiled:
-        t0 = time.perf_counter()
-        cuda = eng.device.type == "cuda"
-        eng.compile_steps(
-            arms, mode="reduce-overhead" if cuda else None, backend=cfg.engine.backend
-        )
-        if not cuda:
-            models.use_cpu_gqa()  # as models.compile_engine compiles for the server
-        eng.warm_up(arms)
-        print(f"  compiled arms {arms} in {time.perf_counter() - t0:.0f} s", flush=True)
-    return eng
+def compile_pair(args, ws, pair) -> None:
+    """Compile a pair's models as the server does (`compiling.compile_engine`), whatever the
+    config says (engine.compile=true: a compile failure is an error, not eager)."""
+    cfg = load_config(args.config, [*args.set, "engine.compile=true"])
+    t0 = time.perf_counter()
+    compiling.compile_engine(cfg, ws, pair)
+    print(f"  compiled in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 def head_subset(cfg, ws, pair, draft_ref) -> tuple[list[int], str]:
     vocab = pair.target.config.vocab_size
     n = min(cfg.engine.draft_vocab or 8192, vocab)
-    eos = sorted(pair.engine.eos_token_ids)
+    eos = sorted(pair.models.eos_token_ids)
     try:
         return models.draft_token_ids(cfg, ws, draft_ref, vocab, eos, n), "recorded token counts"
     except Exception:  # noqa: BLE001 - no counts yet: the cost depends on the size alone
         return list(range(n)), "ids 0..N-1 (no recorded counts: cost only)"
 
 
-def part_steps(cfg, ws, args, prompt) -> dict:
-    pair = models.load_pair(cfg, ws, cfg.models.draft, full_head=True)
+def part_steps(cfg, ws, args) -> dict:
+    pair = models.load_pair(cfg, ws, cfg.models.draft, full_head=True, head_dir=None)
+    if pair.draft is None:
+        raise SystemExit(f"steps: models.draft={cfg.models.draft} is not a draft model")
     subset, source = head_subset(cfg, ws, pair, pair.draft_ref)
+    full, pruned = Drafter(pair.draft), Drafter(pair.draft, subset)
+    for m in (pair.target, pair.draft):
+        prepare(m, cfg.engine.max_context)
     rows = {}
-    for compiled in (False, True):
-        static = cfg.engine.max_context if compiled else None
-        tag = "compiled" if compiled else "eager"
+    for tag in ("eager", "compiled"):
         print(f"steps: {tag}", flush=True)
-        full = make_engine(cfg, pair, pair.draft, static, None, compiled, [1, 4])
-        pruned = make_engine(cfg, pair, pair.draft, static, subset, compiled, [1, 4])
-        t = step_ms(full.target_step, prompt, args.steps)
-        v5 = step_ms(full.target_step, prompt, args.steps, feed=5)
-        df = step_ms(full.drafter.step, prompt, args.steps, feed=0)
-        dp = step_ms(pruned.drafter.step, prompt, args.steps, feed=0)
+        if tag == "compiled":
+            compile_pair(args, ws, pair)
+        t = step_ms(pair.target, 1, args.steps)
+        v5 = step_ms(pair.target, 5, args.steps)
+        df = draft_step_ms(full, args.steps)
+        dp = draft_step_ms(pruned, args.steps)
         rows[tag] = {
             "target_ms": t,
             "draft_full_ms": df,
@@ -107,11 +104,14 @@ def part_steps(cfg, ws, args, prompt) -> dict:
     return {"head_tokens": len(subset), "head_source": source, "rows": rows}
 
 
-def tok_s(eng, prompts, k, tokens) -> dict:
-    """Tokens/s over the whole run (warm-up excluded), draft and verify seconds per request,
-    acceptance, and the outputs (to check against target-only)."""
-    eng.generate(prompts[0], k, 8)  # warm-up
-    res = [eng.generate(p, k, tokens) for p in prompts]
+def tok_s(cfg, loaded: Models, prompts, k, tokens) -> dict:
+    """Tokens/s of the step loop over the whole run (warm-up excluded), one request at a time
+    at arm `draft:k`, draft and verify seconds per request, acceptance, and the outputs (to
+    check against target-only)."""
+    arm = parse_arm(k)
+    batch = RowBatch(loaded, max_rows=1, limit=cfg.engine.max_context)
+    generate(loaded, prompts[0], arm, 8, batch=batch)  # warm-up
+    res = [generate(loaded, p, arm, tokens, batch=batch) for p in prompts]
     secs = sum(r.latency_s for r in res)
     prop = sum(r.proposed for r in res)
     return {
@@ -135,27 +135,25 @@ def hf_tok_s(pair, prompts, k, tokens) -> dict:
         kw["assistant_model"] = target
     out, t0 = [], time.perf_counter()
     for ids in prompts:
-        seq = target.generate(torch.tensor([ids], device=pair.engine.device), **kw)[0]
+        seq = target.generate(torch.tensor([ids], device=pair.models.device), **kw)[0]
         out.append(seq[len(ids) :].tolist())
     secs = time.perf_counter() - t0
-    eos = pair.engine.eos_token_ids
+    eos = pair.models.eos_token_ids
     out = [o[: next((i for i, t in enumerate(o) if t in eos), len(o))] for o in out]
     return {"tokens_per_second": sum(map(len, out)) / secs, "acceptance": None, "outputs": out}
 
 
 def part_generate(cfg, ws, args, prompts) -> dict:
     rows = {}
-    static = cfg.engine.max_context
     tgt = models.load_pair(cfg, ws, None)
     arms = [k for k in args.self_draft if k > 0]
     print("generate: target-only eager / compiled, self-draft", flush=True)
-    rows["target-only eager"] = tok_s(
-        make_engine(cfg, tgt, None, None, None, False, [0]), prompts, 0, args.tokens
-    )
-    selfd = make_engine(cfg, tgt, tgt.target if arms else None, static, None, True, [0, *arms])
-    rows["target-only compiled"] = tok_s(selfd, prompts, 0, args.tokens)
+    rows["target-only eager"] = tok_s(cfg, tgt.models, prompts, 0, args.tokens)
+    selfd = models.load_pair(cfg, ws, models.SELF, share_target=tgt) if arms else tgt
+    compile_pair(args, ws, selfd)
+    rows["target-only compiled"] = tok_s(cfg, selfd.models, prompts, 0, args.tokens)
     for k in arms:
-        rows[f"self-draft fixed_{k} compiled"] = tok_s(selfd, prompts, k, args.tokens)
+        rows[f"self-draft fixed_{k} compiled"] = tok_s(cfg, selfd.models, prompts, k, args.tokens)
     if args.hf:
         print("generate: transformers generate / assisted (self-draft), eager", flush=True)
         rows["transformers generate"] = hf_tok_s(tgt, prompts, 0, args.tokens)
@@ -164,12 +162,15 @@ def part_generate(cfg, ws, args, prompts) -> dict:
                 tgt, prompts, k, args.tokens
             )
     if (ws.merged / "config.json").is_file():
-        pair = models.load_pair(cfg, ws, str(ws.merged), share_target=tgt, full_head=True)
+        pair = models.load_pair(cfg, ws, str(ws.merged), share_target=tgt, full_head=True,
+                                head_dir=None)  # fmt: skip
         subset, _ = head_subset(cfg, ws, pair, str(ws.merged))
+        eos, pad = sorted(tgt.models.eos_token_ids), tgt.tokenizer.pad_token_id
+        pair = replace(pair, models=Models(tgt.target, pair.draft, eos, pad, subset))
         print("generate: distilled draft, compiled, pruned head", flush=True)
-        eng = make_engine(cfg, tgt, pair.draft, static, subset, True, [1, 2, 4])
+        compile_pair(args, ws, pair)
         for k in (1, 2, 4):
-            rows[f"distilled fixed_{k} compiled"] = tok_s(eng, prompts, k, args.tokens)
+            rows[f"distilled fixed_{k} compiled"] = tok_s(cfg, pair.models, prompts, k, args.tokens)
     base = rows["target-only compiled"]["tokens_per_second"]
     ref = rows["target-only eager"]["outputs"]
     for name, row in rows.items():
@@ -310,13 +311,13 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ws.compile_cache / "inductor"))
     rows = read_jsonl(ws.test_file)[: args.prompts]
-    tok = models.load_tokenizer(models.resolve(cfg.models.target, ws.models_cache))
+    tok = models.load_tokenizer(specs.resolve(cfg.models.target, ws.models_cache))
     prompts = bench.prompt_ids(cfg, tok, rows)
     out = {"environment": environment(cfg), "goals": GOALS, "args": vars(args)}
     perf = ws.root / "perf"
     perf.mkdir(parents=True, exist_ok=True)
     parts = {
-        "steps": lambda: part_steps(cfg, ws, args, prompts[0]),
+        "steps": lambda: part_steps(cfg, ws, args),
         "generate": lambda: part_generate(cfg, ws, args, prompts),
         "server": lambda: part_server(cfg, ws, args, [r["prompt"] for r in rows]),
     }

@@ -5,9 +5,9 @@
 #                          [--quick] [--set k=v]...
 #
 # Sets up (make setup), runs the engine benchmark (python -m benchmarks.engine) in a private workspace
-# under DIR (it splits MBPP there) on the embedded pair, eager and compiled (CUDA graphs on a GPU;
-# bf16 there), then a short bench of the distilled draft if this checkout has one (--merged,
-# default artifacts/merged).
+# under DIR (it splits MBPP there) on the embedded pair, eager and compiled (the step loop's pass
+# as engine.compile compiles it; bf16 on a GPU), then a short bench of the distilled draft if this
+# checkout has one (--merged, default artifacts/merged).
 # Everything lands in DIR (default: gpu-evidence-<date>): engine.json/.md, bench/, logs, and
 # summary.txt. Each step has a time limit so the whole run fits in 10 minutes; a step that fails
 # or runs out of time is recorded in summary.txt and the run goes on.

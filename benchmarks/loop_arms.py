@@ -1,7 +1,7 @@
-"""The step loop in process (no server): 1 and 8 rows of one arm, the held-out prompts, 48 tokens.
+"""The step loop in process (no server): 1 and 8 rows of each arm, the held-out prompts, 48 tokens.
 
-    .venv/bin/python -m benchmarks.loop_arms [--mixed | --grid | --profile | --compile-pass | --slots | --pools | --catch-up | --kept ROWS | --held ROWS | --feeds ROWS | --alone]
-        [--arms 0 ngram:4 eagle:4] [--set k=v ...]
+    .venv/bin/python -m benchmarks.loop_arms [--kept ROWS | --held ROWS | --feeds ROWS | --grid
+        | --compile-pass | --slots | --pools] [--arms 0 ngram:4 eagle:4] [--set k=v ...]
 
 Prints per arm and row count: steps, wall seconds, tokens/s, mean step, and the loop's measured
 step-cost curve ((tokens fed, ms) per size bucket) that the goodput policy predicts with.
@@ -9,9 +9,14 @@ step-cost curve ((tokens fed, ms) per size bucket) that the goodput policy predi
 all eagle:2 held back by the gate, all eagle:2 guessing, all eagle:2 capped per step by the
 goodput policy's gate (with its predictions); tokens/s and the head's ms a step
 (`--temperature 0.7`: sampled).
-`--profile`: where a target pass's time goes (torch's profiler: the matmuls' share), the floor
-memory sets (the bytes of the weights a pass reads over the rate this machine reads memory at),
-and the pass with oneDNN's prepacked weights (what inductor's freezing would use).
+`--held 16 --arms 0 eagle:2 ngram:4`: 16 rows kept full over 32 requests (the 16 held-out prompts
+twice), every row of an arm held back by the gate at every step (a bandit's rows where it does
+not guess), the arms in turns over 4 rounds: tokens/s and the median step per arm, and each
+arm's mean against the first's (what a row that carries an arm and does not guess costs).
+`--feeds 16`: one target pass over 16 rows (their prompts read, a few steps made) by the tokens each
+row is fed: all 1 (a plain step), one row 3 or 5 (one row guessing 2 or 4), four rows 3, all 2,
+3 and 5; the median of 12 passes, the shapes alternated (what a batch's first guesses cost).
+`--grid --arms eagle:4`: a step's time by rows (1-16) and how many of them guess.
 `--compile-pass`: the target's pass compiled as `engine.compile` compiles it (the whole pass, one
 graph; minutes) against eager, at 1 to 16 rows of 1 to 5 tokens: pass milliseconds and greedy
 agreement (a shape the one warm graph could not take fails).
@@ -20,23 +25,9 @@ cache slots in order (read as a view) against permuted (copied out each layer), 
 `--pools`: a target pass on this thread alone, beside another thread that once ran a parallel
 torch op and idles (its OpenMP pool alive: libgomp then stops spinning on these 2 cores), and
 alone again after that thread ended.
-`--catch-up --arms eagle:2`: 8 rows held back 0, 10 and 30 steps, then guessing: the step that
-ends the hold (the head reads every state held back) and the two after it.
-`--held 16 --arms 0 eagle:2 ngram:4`: 16 rows kept full over 32 requests (the 16 held-out prompts
-twice), every row of an arm held back by the gate at every step (a bandit's rows where it does not guess), the arms in turns over
-4 rounds: tokens/s and the median step per arm, and each arm's mean against the first's (what a
-row that carries an arm and does not guess costs the batch).
-`--feeds 16`: one target pass over 16 rows (their prompts read, a few steps made) by the tokens each
-row is fed: all 1 (a plain step), one row 3 or 5 (one row guessing 2 or 4), four rows 3, all 2,
-3 and 5; the median of 12 passes, the shapes alternated (what a batch's first guesses cost).
-`--alone --arms 0 ngram:4 eagle:2`: one row of each arm alone, over 16 prompts in turns: tokens/s
-and a step's tokens and milliseconds, against the goodput policy's prediction for it alone (its
-ranking at one client), taught what these rows measured.
-`--mixed`: instead, 16 rows: all plain, against 10 plain + 6 bandit (adaptive) ngram:4 rows that
-the per-step gate holds back, and the same 6 guessing; twice, alternated. Needs a workspace with
-the split (`make demo`, or `python -m pipeline split`). `--set models.dtype=float32` (or
-bfloat16) pins the dtype; eagle:K arms need `--set models.head=DIR` (an exported head), draft:K
-arms `--set server.draft=DIR`.
+Needs a workspace with the split (`make demo`, or `python -m pipeline split`).
+`--set models.dtype=float32` (or bfloat16) pins the dtype; eagle:K arms need
+`--set models.head=DIR` (an exported head), draft:K arms `--set server.draft=DIR`.
 """
 
 import argparse
@@ -44,33 +35,12 @@ import time
 
 import torch
 
-from pipeline import models
+from pipeline import compiling, models
 from pipeline.bench import hardware
 from pipeline.config import load_config
 from pipeline.speculative.arms import parse_arm
 from pipeline.speculative.batch import RowBatch
 from pipeline.workspace import Workspace, read_jsonl
-
-
-def mixed(pair, prompts) -> None:
-    """16 rows: a held-back bandit row against a plain one, and against one that guesses."""
-
-    def run(arms, gate) -> float:
-        b = RowBatch(pair.engine, max_rows=16)
-        for r in b.join([(i, prompts[i], 48, parse_arm(a)) for i, a in enumerate(arms)]):
-            r.adaptive = True
-        t0 = time.perf_counter()
-        while b.rows:
-            b.step(gate=gate)
-        return 16 * 48 / (time.perf_counter() - t0)
-
-    six = ["0"] * 10 + ["ngram:4"] * 6
-    held = lambda rows: [0] * len(rows)  # noqa: E731 - the gate caps every row at 0
-    for _ in range(2):
-        for name, arms, gate in (("16 plain", ["0"] * 16, None),
-                                 ("10 plain + 6 ngram:4 held back", six, held),
-                                 ("10 plain + 6 ngram:4 guessing", six, None)):  # fmt: skip
-            print(f"{name}: {run(arms, gate):.1f} tok/s", flush=True)
 
 
 def held(pair, prompts, arms: list[str], width: int = 16, n: int = 32, rounds: int = 4) -> None:
@@ -85,7 +55,7 @@ def held(pair, prompts, arms: list[str], width: int = 16, n: int = 32, rounds: i
     hold = lambda rows: [0] * len(rows)  # noqa: E731 - the gate caps every row at 0
 
     def run(arm: str, count: int) -> tuple[float, float]:
-        b = RowBatch(pair.engine, max_rows=max(16, width))
+        b = RowBatch(pair.models, max_rows=max(16, width))
         todo, tokens, steps = list(range(count)), 0, []
         t0 = time.perf_counter()
         while todo or b.rows:
@@ -120,11 +90,11 @@ def feeds(pair, prompts, width: int = 16, repeat: int = 12) -> None:
 
     from pipeline.speculative.rows import target_logits
 
-    b = RowBatch(pair.engine, max_rows=max(16, width))
+    b = RowBatch(pair.models, max_rows=max(16, width))
     b.join([(i, prompts[i % len(prompts)], 48, parse_arm("0")) for i in range(width)])
     for _ in range(3):
         b.step()
-    tc, _ = b._caches()
+    tc = b._cache()
     rows = list(b.rows)
     slots = [r.tslot for r in rows]
     print(f"{width} rows at {min(tc.lengths[s] for s in slots)}-"
@@ -139,7 +109,7 @@ def feeds(pair, prompts, width: int = 16, repeat: int = 12) -> None:
         lengths = [tc.lengths[s] for s in slots]
         t0 = time.perf_counter()
         with torch.inference_mode():
-            target_logits(pair.engine.target, tc, slots, fed)
+            target_logits(pair.models.target, tc, slots, fed)
         dt = time.perf_counter() - t0
         for s, n in zip(slots, lengths, strict=True):
             tc.crop(s, n)
@@ -155,50 +125,6 @@ def feeds(pair, prompts, width: int = 16, repeat: int = 12) -> None:
               f"({median(v) / base:.2f}x all 1)", flush=True)  # fmt: skip
 
 
-def alone(pair, cfg, prompts, arms: list[str]) -> None:
-    """Each of `arms` serving one row alone, prompt by prompt (48 tokens; the arms take turns,
-    the order reversed every other prompt): tokens/s and tokens a step, and what the goodput
-    policy predicts for each arm alone once taught the acceptance these rows saw, on the step
-    and head curves they measured (`GoodputBandit.predict`: the bandit's ranking at one
-    client)."""
-    from pipeline.serving.policy import make_bandit
-    from pipeline.speculative.bandit import Context
-
-    b = RowBatch(pair.engine, max_rows=1)
-    bandit = make_bandit(cfg.bandit, arms, "goodput")
-    got = {a: [0, 0, 0.0] for a in arms}  # tokens, steps, seconds
-    for a in arms:  # warm: each arm's shapes once
-        b.join([("warm", prompts[0], 8, parse_arm(a))])
-        while b.rows:
-            b.step()
-    for i, prompt in enumerate(prompts):
-        for a in arms if i % 2 == 0 else arms[::-1]:
-            b.join([(i, prompt, 48, parse_arm(a))])
-            t0, finished = time.perf_counter(), []
-            while b.rows:
-                finished += b.step()
-            wall = time.perf_counter() - t0
-            res = finished[0][0].result(finished[0][1])
-            g = got[a]
-            g[0], g[1], g[2] = g[0] + res.output_tokens, g[1] + res.rounds, g[2] + wall
-            if parse_arm(a).k:
-                elig = res.eligible_per_position
-                positions = (res.rounds if elig is None else elig, res.proposed_per_position,
-                             res.accepted_per_position)  # fmt: skip
-                bandit.update(a, res.output_tokens / wall, None, res.acceptance, wall,
-                              positions=positions)  # fmt: skip
-    ctx = Context(rows=1, step_cost=b.cost.curve(1),
-                  head_cost=b.head_cost.curve() if b.head_cost.seen else None,
-                  draft_cost=b.draft_cost.curve() if b.draft_cost.seen else None)  # fmt: skip
-    for a in arms:
-        tokens, steps, wall = got[a]
-        pred = bandit.predict(a, ctx)
-        said = "-" if pred is None else f"{pred:.2f} tok/s"
-        print(f"{a:8s} alone, {len(prompts)} prompts: {tokens / wall:.2f} tok/s, "
-              f"{tokens / steps:.2f} tokens a step, {1000 * wall / steps:.2f} ms a step; "
-              f"predicted {said}", flush=True)  # fmt: skip
-
-
 def kept(pair, cfg, prompts, arm: str, width: int = 4, n: int = 16,
          temperature: float = 0.0) -> None:  # fmt: skip
     """`width` rows kept full over `n` prompts (a new one joins as one leaves, as a loaded
@@ -211,7 +137,7 @@ def kept(pair, cfg, prompts, arm: str, width: int = 4, n: int = 16,
     gated run the mean cap and what the policy predicted, at `width` rows, for each cap
     against none."""
     from pipeline.serving.policy import make_policy
-    from pipeline.speculative.bandit import StepRow
+    from pipeline.speculative.goodput import StepRow
     from pipeline.speculative.sampling import Sampling
 
     policy = make_policy(cfg.bandit, ["0", arm], policy="goodput")
@@ -232,15 +158,14 @@ def kept(pair, cfg, prompts, arm: str, width: int = 4, n: int = 16,
 
         return gate
 
-    shared = RowBatch(pair.engine, max_rows=16)  # one set of cost curves, as a server's
+    shared = RowBatch(pair.models, max_rows=16)  # one set of cost curves, as a server's
 
     def run(a: str, gate) -> tuple[float, float, RowBatch, list]:
-        b = RowBatch(pair.engine, max_rows=16)
+        b = RowBatch(pair.models, max_rows=16)
         b.cost, b.draft_cost, b.head_cost = shared.cost, shared.draft_cost, shared.head_cost
         spent: list[float] = []
-        for name in ("_eagle", "_draft"):
-            inner = getattr(b, name)
-            setattr(b, name, lambda rs, inner=inner: spent.append(inner(rs)) or spent[-1])
+        inner = b._propose  # returns the seconds of the head's or the draft's passes
+        b._propose = lambda rs, inner=inner: spent.append(inner(rs)) or spent[-1]
         todo, tokens, steps, done = list(range(n)), 0, 0, []
         step_gate = gate(b) if gate is gated else gate
         t0 = time.perf_counter()
@@ -282,112 +207,6 @@ def kept(pair, cfg, prompts, arm: str, width: int = 4, n: int = 16,
                          " rows: " + " ".join(f"cap {c} {v / values[0]:.3f}x"
                                               for c, v in enumerate(values)))  # fmt: skip
             print(line, flush=True)
-
-
-def profile(pair) -> None:
-    """Where a target pass's time goes: torch's profiler over 10 passes of 1 and of 5 tokens
-    after a 200-token prefill (one row), the matmuls' self time against the pass; then the
-    pass against its memory floor and with prepacked weights (`floor`)."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as profiler
-
-    from pipeline.speculative.rows import RowCache, target_scores
-
-    model = pair.target
-    cache = RowCache(model, 1, 300)
-    slot = cache.alloc()
-    target_scores(model, cache, [slot], [[5] * 200])
-    for n in (1, 5):
-        for _ in range(5):
-            target_scores(model, cache, [slot], [[7] * n])
-            cache.crop(slot, 200)
-        t0 = time.perf_counter()
-        for _ in range(10):
-            target_scores(model, cache, [slot], [[7] * n])
-            cache.crop(slot, 200)
-        plain = (time.perf_counter() - t0) / 10
-        with profiler(activities=[ProfilerActivity.CPU]) as p:
-            for _ in range(10):
-                target_scores(model, cache, [slot], [[7] * n])
-                cache.crop(slot, 200)
-        ms = {e.key: e.self_cpu_time_total / 10_000 for e in p.key_averages()}
-        mm = sum(v for k, v in ms.items() if k in ("aten::mm", "aten::addmm", "aten::bmm"))
-        top = ", ".join(f"{k} {v:.1f}" for k, v in sorted(ms.items(), key=lambda x: -x[1])[:4])
-        print(f"{n} token(s): pass {1000 * plain:.1f} ms unprofiled, matmuls {mm:.1f} ms "
-              f"({mm / (1000 * plain):.0%}); top self times (ms): {top}", flush=True)  # fmt: skip
-    floor(model)
-
-
-def floor(model) -> None:
-    """What no compiler can remove from a pass: every weight read once from memory. The bytes
-    of the weights a pass reads (each linear layer's, the output head's; the embedding table
-    only where the head is tied to it) over the rate this machine reads memory at (the
-    faster of a sum and a copy of a 512 MB buffer on these threads); against the pass as
-    run, and as run with oneDNN's prepacked weights (`mkldnn._linear_pointwise`, what
-    inductor's freezing substitutes for a bf16 linear; fp32: MKL's packed sgemm; packed for
-    the pass's token count): it spares each call the weight's reorder. The pass timed by
-    `runner.step_ms` (after a 64-token prefill), the two alternated, six times each: medians."""
-    from pipeline.speculative import runner
-
-    linears = [m.weight for m in model.modules() if type(m) is torch.nn.Linear]
-    head = model.get_output_embeddings().weight
-    read = sum(w.numel() * w.element_size() for w in {id(w): w for w in [*linears, head]}.values())
-    buf = torch.ones(512 * 2**20 // 4)
-    out = torch.empty_like(buf)
-    rates = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        buf.sum()
-        t1 = time.perf_counter()
-        out.copy_(buf)
-        t2 = time.perf_counter()
-        rates.append(max(buf.nbytes / (t1 - t0), 2 * buf.nbytes / (t2 - t1)))
-    rate = sorted(rates)[-2]  # the second best: one lucky run is not the machine
-    del buf, out
-    low = 1000 * read / rate
-    print(f"weights read a pass: {read / 2**20:.0f} MiB; memory read at {rate / 1e9:.1f} GB/s: "
-          f"a pass cannot take less than {low:.1f} ms", flush=True)  # fmt: skip
-    run = getattr(model, "_phoenix_runner", None)
-    if run is None:
-        return
-    weights = [w for layer in run.layers for w in (layer[1], layer[5].weight, layer[7],
-                                                   layer[9].weight)]  # fmt: skip
-    weights.append(run.head.weight)
-    bf16 = model.dtype == torch.bfloat16
-    inner = runner._linear
-
-    def packed_for(n: int) -> dict:
-        """Each weight reordered for a batch of `n` rows (the packing takes the batch size)."""
-        return {
-            w.data_ptr(): torch.ops.mkldnn._reorder_linear_weight(w.detach(), n)
-            if bf16 else torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), n)
-            for w in weights
-        }  # fmt: skip
-
-    packed: dict = {}
-
-    def linear(x, w, b, choice):
-        p = packed.get(w.data_ptr())
-        if p is None:
-            return inner(x, w, b, choice)
-        if bf16:
-            return torch.ops.mkldnn._linear_pointwise(x, p, b, "none", [], "")
-        return torch.ops.mkl._mkl_linear(x, p, w, b, x.shape[0])
-
-    for n in (1, 5, 16):
-        packed.clear()
-        packed.update(packed_for(n))
-        times = {"eager": [], "prepacked": []}
-        for i in range(6):  # alternated, the order swapped every other time (the machine drifts)
-            for name in ("eager", "prepacked") if i % 2 == 0 else ("prepacked", "eager"):
-                runner._linear = linear if name == "prepacked" else inner
-                try:
-                    times[name].append(runner.step_ms(model, n, repeat=5))
-                finally:
-                    runner._linear = inner
-        e, p = (sorted(times[k])[len(times[k]) // 2] for k in ("eager", "prepacked"))
-        print(f"{n} token(s): pass {e:.1f} ms ({e / low:.2f}x the floor), with prepacked weights "
-              f"{p:.1f} ms ({e / p:.2f}x faster)", flush=True)  # fmt: skip
 
 
 def compile_pass(pair) -> None:
@@ -454,7 +273,7 @@ def slots(pair) -> None:
 
     from pipeline.speculative.rows import RowCache, target_scores
 
-    model = pair.engine.target
+    model = pair.models.target
     for n in (4, 8, 16):
         cache = RowCache(model, n, 1024)
         order = [cache.alloc() for _ in range(n)]
@@ -503,30 +322,6 @@ def pools(pair, rounds: int = 3) -> None:
         helper.join()
 
 
-def catch_up(pair, prompts, arm: str, rows: int = 8) -> None:
-    """A guess after a hold: `rows` rows of `arm` held back by the gate for 0, 10 and 30 steps,
-    then let guess; the step that ends the hold and the next two, whole and the proposer's
-    part (an EAGLE-3 head reads every state held back in that step). Twice each."""
-    for hold in (0, 10, 30):
-        for _ in range(2):
-            b = RowBatch(pair.engine, max_rows=rows)
-            for r in b.join([(i, prompts[i], 60, parse_arm(arm)) for i in range(rows)]):
-                r.adaptive = True
-            took: list[float] = []
-            b._eagle = lambda rs, inner=b._eagle, took=took: took.append(inner(rs)) or took[-1]
-            b._draft = lambda rs, inner=b._draft, took=took: took.append(inner(rs)) or took[-1]
-            seen = []
-            for s in range(hold + 3):
-                t0 = time.perf_counter()
-                b.step(gate=lambda rs, s=s, h=hold: [0 if s < h else 99] * len(rs))
-                if s >= hold:
-                    seen.append(f"{1000 * (time.perf_counter() - t0):.1f} ms "
-                                f"({1000 * sum(took):.1f} proposing)")  # fmt: skip
-                took.clear()
-            print(f"{rows} rows of {arm} held {hold} steps, then guessing: " + ", ".join(seen),
-                  flush=True)  # fmt: skip
-
-
 def grid(pair, prompts, arm: str) -> None:
     """A step's time against rows and tokens fed: n rows (1, 2, 4, 8, 16), of which g guess
     with `arm` (0, 1, n/2, n) and the rest are plain; the median step (draft passes excepted,
@@ -537,7 +332,7 @@ def grid(pair, prompts, arm: str) -> None:
     print("rows guessing fed_mean step_ms(median) steps", flush=True)
     for n in (1, 2, 4, 8, 16):
         for g in sorted({0, 1, n // 2, n}):
-            b = RowBatch(pair.engine, max_rows=16)
+            b = RowBatch(pair.models, max_rows=16)
             b.join([(i, prompts[i], 48, parse_arm(arm if i < g else "0")) for i in range(n)])
             seen: list[tuple[int, int, float]] = []
 
@@ -557,17 +352,11 @@ def grid(pair, prompts, arm: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mixed", action="store_true", help="16 rows: plain, held back, guessing")
     ap.add_argument("--arms", nargs="+", default=["0", "ngram:2", "ngram:4", "0"])
     ap.add_argument(
         "--grid",
         action="store_true",
         help="step time against rows and tokens fed, the first of --arms guessing",
-    )
-    ap.add_argument(
-        "--profile",
-        action="store_true",
-        help="a target pass's time in matmuls, its memory floor, prepacked weights",
     )
     ap.add_argument("--slots", action="store_true", help="a pass with cache slots in order or not")
     ap.add_argument(
@@ -576,11 +365,6 @@ def main() -> None:
         help="the target's whole pass as one compiled graph, against eager",
     )
     ap.add_argument("--pools", action="store_true", help="a step beside another thread's pool")
-    ap.add_argument(
-        "--catch-up",
-        action="store_true",
-        help="8 rows of the first of --arms: a guess after a hold",
-    )
     ap.add_argument(
         "--kept",
         type=int,
@@ -600,11 +384,6 @@ def main() -> None:
         help="one target pass over ROWS rows by the tokens each is fed (a batch's first guesses)",
     )
     ap.add_argument("--temperature", type=float, default=0.0, help="--kept: sample at this")
-    ap.add_argument(
-        "--alone",
-        action="store_true",
-        help="each of --arms alone over 16 prompts, in turns: tok/s and the policy's prediction",
-    )
     ap.add_argument("--set", action="append", default=[], help="config key=value")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -618,21 +397,15 @@ def main() -> None:
     elif any(a.needs_head for a in arms):
         draft = models.head_ref(cfg, ws)
     pair = models.load_pair(cfg, ws, draft)
-    compiled = models.compile_engine(cfg, ws, pair)  # as the server does (engine.compile)
+    compiled = compiling.compile_engine(cfg, ws, pair)  # as the server does (engine.compile)
     print(f"dtype {pair.target.dtype}, compiled {compiled}, draft {draft}", flush=True)
     tok = pair.tokenizer
     prompts = [
         models.chat_prompt_ids(tok, [{"role": "user", "content": r["prompt"]}], {})
         for r in read_jsonl(ws.test_file)[:16]
     ]
-    if args.mixed:
-        mixed(pair, prompts)
-        return
     if args.grid:
         grid(pair, prompts, args.arms[0])
-        return
-    if args.profile:
-        profile(pair)
         return
     if args.slots:
         slots(pair)
@@ -643,9 +416,6 @@ def main() -> None:
     if args.pools:
         pools(pair)
         return
-    if args.catch_up:
-        catch_up(pair, prompts, args.arms[0])
-        return
     if args.kept:
         kept(pair, cfg, prompts, args.arms[0], args.kept, temperature=args.temperature)
         return
@@ -655,15 +425,13 @@ def main() -> None:
     if args.held:
         held(pair, prompts, args.arms, args.held)
         return
-    if args.alone:
-        alone(pair, cfg, prompts, args.arms)
-        return
     for arm in args.arms:
         for rows in (1, 8):
-            b = RowBatch(pair.engine, max_rows=16)
+            b = RowBatch(pair.models, max_rows=16)
             b.join([(i, prompts[i], 48, parse_arm(arm)) for i in range(rows)])
             heads = []  # the EAGLE-3 head's seconds per step (eagle arms)
-            b._eagle = lambda rs, inner=b._eagle, heads=heads: heads.append(inner(rs)) or heads[-1]
+            if parse_arm(arm).needs_head:
+                b._propose = lambda rs, f=b._propose, h=heads: h.append(f(rs)) or h[-1]
             steps = 0
             t0 = time.perf_counter()
             while b.rows:

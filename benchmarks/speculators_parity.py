@@ -65,15 +65,15 @@ SNIPPETS = [
 
 def target_of(verifier: str) -> str:
     """The verifier's local weights: a directory as named, an embedded target by its Hub id."""
-    from pipeline import models
+    from pipeline import specs
 
     cache = ROOT / "artifacts" / "cache" / "models"
     if Path(verifier).is_dir():
         return verifier
-    for name, hub in models.EMBEDDED_HUB_IDS.items():
+    for name, hub in specs.EMBEDDED_HUB_IDS.items():
         if hub == verifier:
-            return models.resolve(f"embedded:{name}", cache)
-    return models.resolve(verifier, cache)
+            return specs.resolve(f"embedded:{name}", cache)
+    return specs.resolve(verifier, cache)
 
 
 @torch.no_grad()

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from pipeline import distillation, models
+from pipeline import distillation, models, specs
 from pipeline.bench import environment
 from pipeline.config import load_config
 from pipeline.train_data import build_examples, pad_id
@@ -116,7 +116,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = load_config(args.config)
     ws = Workspace(args.artifacts)
-    _, draft_ref = models.resolve_pair(cfg.models.target, cfg.models.draft, ws.models_cache)
+    _, draft_ref = specs.resolve_pair(cfg.models.target, cfg.models.draft, ws.models_cache)
     tok = models.load_tokenizer(draft_ref)
     answers = read_jsonl(ws.answers_file)[: args.examples]
     rows, _ = build_examples(answers, tok, cfg.template_kwargs(), cfg.train.max_length)

@@ -9,8 +9,9 @@
    token for token, where the first difference falls in the others, and how close the
    target's call is there (its logit gap between the two tokens).
 2. fidelity: the served draft's acceptance at k=2 and k=4 on the first --prompts held-out
-   prompts (bench.max_new_tokens): Phoenix's engine (full head, as vLLM runs the draft; and the
-   configured pruned head) against vLLM's own counters over the same requests.
+   prompts (bench.max_new_tokens): Phoenix's step loop (`batch.generate`, one request at a time;
+   full head, as vLLM runs the draft; and the configured pruned head) against vLLM's own
+   counters over the same requests.
 3. serving: aggregate tokens/s at 1 and 8 clients, the same held-out prompts: Phoenix's server
    in target mode and in its best speculative mode (bandit), beside vLLM without speculation
    and with its best fixed k, read from <artifacts>/vllm/tune.json (run tune-vllm first).
@@ -31,6 +32,8 @@ import torch
 from benchmarks.common import environment, header, server, table, write_results
 from pipeline import drafts, loadtest, models, vllm, vllm_tune
 from pipeline.config import load_config
+from pipeline.speculative.arms import parse_arm
+from pipeline.speculative.batch import RowBatch, generate
 from pipeline.workspace import Workspace, read_jsonl
 
 
@@ -102,12 +105,15 @@ def part_fidelity(cfg, ws: Workspace, args) -> dict:
     target = models.load_pair(cfg, ws, None)
     out = {"draft": draft, "prompts": len(prompts), "max_new_tokens": n, "k": {}}
     heads = {"full head": True, "pruned head": False} if cfg.engine.draft_vocab else {"": True}
-    pairs = {name: models.load_pair(cfg, ws, draft, share_target=target, full_head=full)
+    pairs = {name: models.load_pair(cfg, ws, draft, share_target=target, full_head=full,
+                                    head_dir=None)  # draft:K only: no head beside it
              for name, full in heads.items()}  # fmt: skip
+    loops = {name: RowBatch(pair.models, max_rows=1, limit=cfg.engine.max_context)
+             for name, pair in pairs.items()}  # fmt: skip
     for k in (2, 4):
         row = {}
-        for name, pair in pairs.items():
-            res = [pair.engine.generate(p, k, n) for p in ids]
+        for name, loop in loops.items():
+            res = [generate(loop.models, p, parse_arm(k), n, batch=loop) for p in ids]
             prop = sum(r.proposed for r in res)
             row[f"phoenix {name}".strip()] = sum(r.accepted for r in res) / prop if prop else None
         spec = vllm.speculative_config("draft_model", draft, k)

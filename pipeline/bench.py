@@ -25,7 +25,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from . import models, report
+from . import compiling, models, report
 from .artifacts import weights_id
 from .config import Config
 from .errors import InputError, VerificationError
@@ -102,7 +102,7 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
     head = models.head_ref(cfg, ws)
     rows = read_jsonl(ws.test_file)[: cfg.bench.prompts]
     target = models.load_pair(cfg, ws, None)
-    compiled = models.compile_engine(cfg, ws, target)
+    compiled = compiling.compile_engine(cfg, ws, target)
     ids = prompt_ids(cfg, target.tokenizer, rows)
     engines = {"none": {"compiled": compiled}}
     # Sampled: token identity does not apply; the outputs are checked in distribution.
@@ -243,12 +243,12 @@ def measure_all(
     cores = [plain]
     runs = [(plain, "none", "target", None)]
     runs += [(plain, "none", fixed(arm).spec, None) for arm in free_arms(cfg)]
-    compares = [("none", target.engine, free_arms(cfg))]
+    compares = [("none", target.models, free_arms(cfg))]
     for draft in drafts:
         pair = models.load_pair(cfg, ws, draft_spec(cfg, ws, draft), share_target=target)
         engines[draft] = {
-            "compiled": models.compile_engine(cfg, ws, pair),
-            "head_ids": pair.engine.draft_head_ids,
+            "compiled": compiling.compile_engine(cfg, ws, pair),
+            "head_ids": pair.models.draft_head_ids,
             "weights": weights_id(pair.draft_ref),
         }
         state = ws.bench / f"bandit-{draft}.json" if cfg.bench.bandit_state == "persist" else None
@@ -259,7 +259,7 @@ def measure_all(
                and usable(a, core.has_draft, core.has_head)]  # fmt: skip
         runs += [(core, draft, fixed(arm).spec, None) for arm in own]
         runs.append((core, draft, "bandit", None))
-        compares.append((draft, pair.engine, own))
+        compares.append((draft, pair.models, own))
         if cfg.bench.seed_bandit:
             seed = core_of(pair, draft, policy="seed")
             cores.append(seed)
@@ -344,7 +344,7 @@ def check_lossless(records, target, ids, margin: float) -> tuple[list[str], list
     near-tie (half precision rounds a k+1-token verify pass unlike one-token steps), reported but
     not a failure; anything else is a mismatch. `target` is a `models.Pair`."""
     reference = {r["prompt_index"]: r for r in records if r["mode"] == "target"}
-    eos = sorted(target.engine.eos_token_ids)
+    eos = sorted(target.models.eos_token_ids)
     mismatches, near_ties = [], []
     for r in records:
         ref = reference[r["prompt_index"]]

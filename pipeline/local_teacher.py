@@ -32,9 +32,9 @@ def local_context(cfg: Config, ws: Workspace, prompts: list[str]) -> int:
     of them as the server will see it (chat template, `template_kwargs`) plus
     `teacher.max_tokens`, or `engine.max_context` where that is longer (the configured context
     alone may refuse a long training prompt: 273 + 256 answer tokens pass 512)."""
-    from . import models  # torch and transformers: only when the local teacher runs
+    from . import models, specs  # torch and transformers: only when the local teacher runs
 
-    tok = models.load_tokenizer(models.resolve(cfg.models.target, ws.models_cache))
+    tok = models.load_tokenizer(specs.resolve(cfg.models.target, ws.models_cache))
     kwargs = cfg.template_kwargs()
     longest = max((len(models.user_prompt_ids(tok, p, kwargs)) for p in prompts), default=0)
     return max(cfg.engine.max_context, longest + cfg.teacher.max_tokens)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import models, publish
+from . import models, publish, specs
 from .artifacts import PUSH_RECORD
 from .config import Config, dump_config
 from .errors import InputError, VerificationError
@@ -222,7 +222,7 @@ def model_card(cfg: Config, ws: Workspace, metrics: dict, info: dict) -> str:
     manifest_file = ws.data / "manifest.json"
     manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else {}
     t = cfg.train
-    base_model = models.hub_id_of(
+    base_model = specs.hub_id_of(
         cfg.models.target if cfg.models.draft.startswith("cut:") else cfg.models.draft
     )
     lines = [
@@ -261,7 +261,7 @@ def model_card(cfg: Config, ws: Workspace, metrics: dict, info: dict) -> str:
         f"| merge check | max logit diff vs {'the trained head' if metrics['method'] == 'eagle3' else 'base+adapter'} {info['verify_max_logit_diff']:.2e} on "
         f"{info['verify_prompts']} held-out prompts |",
     ]
-    target = models.hub_id_of(cfg.models.target) or cfg.models.target
+    target = specs.hub_id_of(cfg.models.target) or cfg.models.target
     if metrics["method"] == "eagle3":
         spec = json.dumps(speculative_config("eagle3", "<this directory>", 4))
         caveat = info.get("vllm_caveat")

@@ -8,6 +8,7 @@ One registry per app (tests run several apps in one process). Counters are expos
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -16,7 +17,111 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20)
 GC_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
+class Definition(NamedTuple):
+    kind: type  # Counter, Gauge or Histogram
+    name: str
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None  # a histogram's
+
+
+# Every metric, in exposition order, by the `Metrics` attribute that holds it. Three gauges
+# (fallback_active, waiting, running) take their value from callables given to `Metrics`, read at
+# each scrape.
+DEFINITIONS: dict[str, Definition] = {
+    # speculative decoding: vLLM's names and meaning
+    "num_drafts": Definition(
+        Counter, "phoenix:spec_decode_num_drafts", "Draft proposals (rounds that drafted)."
+    ),
+    "num_draft_tokens": Definition(
+        Counter, "phoenix:spec_decode_num_draft_tokens", "Draft tokens proposed."
+    ),
+    "num_accepted_tokens": Definition(
+        Counter, "phoenix:spec_decode_num_accepted_tokens", "Draft tokens accepted."
+    ),
+    "accepted_per_pos": Definition(
+        Counter,
+        "phoenix:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by position in the proposal.",
+        ("position",),
+    ),
+    # the policy, the drift guard, the served draft, traffic capture
+    "arm_choices": Definition(
+        Counter, "phoenix:bandit_arm_choices", "Bandit decisions, by arm (k).", ("arm",)
+    ),
+    "guard_events": Definition(
+        Counter,
+        "phoenix:speculation_guard_events",
+        "Drift guard events: fallback (to plain generation) and recovered.",
+        ("event",),
+    ),
+    "fallback_active": Definition(
+        Gauge,
+        "phoenix:speculation_fallback_active",
+        "1 while the drift guard holds bandit requests to plain generation.",
+    ),
+    "draft_info": Definition(
+        Gauge,
+        "phoenix:draft_info",
+        "1 for the draft version served now (label version; source: promoted, merged, ...).",
+        ("version", "source"),
+    ),
+    "draft_reloads": Definition(
+        Counter, "phoenix:draft_reloads", "Draft hot swaps, by outcome (ok, failed).", ("outcome",)
+    ),
+    "traffic": Definition(
+        Counter,
+        "phoenix:traffic_records",
+        "Served requests for traffic capture: captured, dropped (capture paused), opted_out.",
+        ("outcome",),
+    ),
+    # requests and the process
+    "generation_tokens": Definition(
+        Counter, "phoenix:generation_tokens", "Tokens generated for clients."
+    ),
+    "request_success": Definition(
+        Counter,
+        "phoenix:request_success",
+        "Finished requests, by finish reason.",
+        ("finished_reason",),
+    ),
+    "rejected": Definition(
+        Counter,
+        "phoenix:request_rejected",
+        "Requests refused, by reason (queue_full: a 429).",
+        ("reason",),
+    ),
+    "latency": Definition(
+        Histogram,
+        "phoenix:e2e_request_latency_seconds",
+        "Admission to last token.",
+        buckets=LATENCY_BUCKETS,
+    ),
+    "ttft": Definition(
+        Histogram,
+        "phoenix:time_to_first_token_seconds",
+        "Admission to first token.",
+        buckets=TTFT_BUCKETS,
+    ),
+    "gc_pause": Definition(
+        Histogram,
+        "phoenix:gc_pause_seconds",
+        "Python garbage collections, by generation (2: full): every row waits them out.",
+        ("generation",),
+        GC_BUCKETS,
+    ),
+    "waiting": Definition(
+        Gauge, "phoenix:num_requests_waiting", "Admitted requests not generating yet."
+    ),
+    "running": Definition(Gauge, "phoenix:num_requests_running", "Requests generating."),
+}
+
+
 class Metrics:
+    """One app's metrics (`DEFINITIONS`, each an attribute): `record` feeds the counters once
+    per finished request; three gauges read the server's state at each scrape;
+    GC pauses are drained from `gc_pauses` at each exposition."""
+
     def __init__(
         self,
         queue_depth: Callable[[], float],
@@ -25,96 +130,19 @@ class Metrics:
         gc_pauses=None,
     ):
         """`gc_pauses`: a `serving.heap.GCPauses` whose collections /metrics reports."""
-        r = self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()
         self.gc_pauses = gc_pauses
-        self.num_drafts = Counter(
-            "phoenix:spec_decode_num_drafts", "Draft proposals (rounds that drafted).", registry=r
-        )
-        self.num_draft_tokens = Counter(
-            "phoenix:spec_decode_num_draft_tokens", "Draft tokens proposed.", registry=r
-        )
-        self.num_accepted_tokens = Counter(
-            "phoenix:spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r
-        )
-        self.accepted_per_pos = Counter(
-            "phoenix:spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted, by position in the proposal.",
-            ["position"],
-            registry=r,
-        )
-        self.arm_choices = Counter(
-            "phoenix:bandit_arm_choices", "Bandit decisions, by arm (k).", ["arm"], registry=r
-        )
-        self.guard_events = Counter(
-            "phoenix:speculation_guard_events",
-            "Drift guard events: fallback (to plain generation) and recovered.",
-            ["event"],
-            registry=r,
-        )
-        Gauge(
-            "phoenix:speculation_fallback_active",
-            "1 while the drift guard holds bandit requests to plain generation.",
-            registry=r,
-        ).set_function(fallback_active)
-        self.draft_info = Gauge(
-            "phoenix:draft_info",
-            "1 for the draft version served now (label version; source: promoted, merged, ...).",
-            ["version", "source"],
-            registry=r,
-        )
-        self.draft_reloads = Counter(
-            "phoenix:draft_reloads",
-            "Draft hot swaps, by outcome (ok, failed).",
-            ["outcome"],
-            registry=r,
-        )
-        self.traffic = Counter(
-            "phoenix:traffic_records",
-            "Served requests for traffic capture: captured, dropped (capture paused), opted_out.",
-            ["outcome"],
-            registry=r,
-        )
-        self.generation_tokens = Counter(
-            "phoenix:generation_tokens", "Tokens generated for clients.", registry=r
-        )
-        self.request_success = Counter(
-            "phoenix:request_success",
-            "Finished requests, by finish reason.",
-            ["finished_reason"],
-            registry=r,
-        )
-        self.rejected = Counter(
-            "phoenix:request_rejected",
-            "Requests refused, by reason (queue_full: a 429).",
-            ["reason"],
-            registry=r,
-        )
-        self.latency = Histogram(
-            "phoenix:e2e_request_latency_seconds",
-            "Admission to last token.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.ttft = Histogram(
-            "phoenix:time_to_first_token_seconds",
-            "Admission to first token.",
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        )
-        self.gc_pause = Histogram(
-            "phoenix:gc_pause_seconds",
-            "Python garbage collections, by generation (2: full): every row waits them out.",
-            ["generation"],
-            buckets=GC_BUCKETS,
-            registry=r,
-        )
-        waiting = Gauge(
-            "phoenix:num_requests_waiting", "Admitted requests not generating yet.", registry=r
-        )
-        waiting.set_function(lambda: max(0.0, queue_depth() - running()))
-        Gauge("phoenix:num_requests_running", "Requests generating.", registry=r).set_function(
-            running
-        )
+        reads = {
+            "fallback_active": fallback_active,
+            "waiting": lambda: max(0.0, queue_depth() - running()),
+            "running": running,
+        }
+        for attr, d in DEFINITIONS.items():
+            extra = {"buckets": d.buckets} if d.buckets is not None else {}
+            metric = d.kind(d.name, d.help, d.labels, registry=self.registry, **extra)
+            if attr in reads:
+                metric.set_function(reads[attr])
+            setattr(self, attr, metric)
 
     def set_draft(self, version: str | None, source: str | None) -> None:
         self.draft_info.clear()

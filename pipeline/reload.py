@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from . import models
+from . import compiling, models, specs
 from .artifacts import current_pointer, weights_id
 from .drafts import resolve_served
 from .serving import heap
@@ -71,7 +71,7 @@ class DraftReloader:
         pair = models.load_pair(
             self.cfg, self.ws, served.spec, share_target=current, head_dir=served.head
         )
-        models.compile_engine(self.cfg, self.ws, pair)
+        compiling.compile_engine(self.cfg, self.ws, pair)
         return pair
 
     def reload(self, reason: str) -> dict[str, Any]:
@@ -87,7 +87,7 @@ class DraftReloader:
             old = core.draft_id
             try:
                 served = resolve_served(self.cfg, self.ws)
-                ref = models.resolve(served.spec, self.ws.models_cache, core.pair.target_ref)
+                ref = specs.resolve(served.spec, self.ws.models_cache, core.pair.target_ref)
                 if same_draft(ref, core.pair.draft_ref):
                     return {"reloaded": False, "reason": "already serving it", "draft": old}
                 head = models.is_eagle3(ref)

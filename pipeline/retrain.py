@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import bench, drafts, merge, models, publish, split, teacher, traffic, train
+from . import bench, drafts, merge, models, publish, specs, split, teacher, traffic, train
 from .artifacts import acceptance_of, current_run, point_current
 from .config import Config
 from .errors import ConfigError, GateRejected, InputError
@@ -278,7 +278,7 @@ def run_config(cfg: Config, root: Path) -> Config:
 
 
 def traffic_answers(cfg: Config, ws: Workspace) -> dict[str, Any]:
-    tok = models.load_tokenizer(models.resolve(cfg.models.target, ws.models_cache))
+    tok = models.load_tokenizer(specs.resolve(cfg.models.target, ws.models_cache))
     return traffic.answers_stage(cfg, ws, tok)
 
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import distillation, models
+from . import distillation, models, specs
 from .config import Config
 from .errors import InputError
 from .teacher import load_all_answers
@@ -170,7 +170,7 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
     source = cfg.kd_source()
     with _process_state().main_process_first():  # one materialises the draft, others reuse it
         try:
-            target_ref, draft_ref = models.resolve_pair(
+            target_ref, draft_ref = specs.resolve_pair(
                 cfg.models.target, cfg.models.draft, ws.models_cache
             )
         except Exception as exc:

@@ -31,7 +31,7 @@ from typing import Any
 
 import requests
 
-from . import models
+from . import models, specs
 from .artifacts import weights_id
 from .config import Config
 from .errors import ConfigError, PhoenixError
@@ -205,12 +205,12 @@ class VllmServer:
 # --- what vLLM runs ----------------------------------------------------------------------------
 def target_dir(cfg: Config, ws: Workspace) -> str:
     """The target as a directory vLLM loads (the converted GGUF, a tiny model, a Hub id)."""
-    return models.resolve(cfg.models.target, ws.models_cache)
+    return specs.resolve(cfg.models.target, ws.models_cache)
 
 
 def draft_dir(cfg: Config, ws: Workspace, served) -> str:
     """The served draft as a directory vLLM loads (a cut draft is materialised first)."""
-    return models.resolve(served.spec, ws.models_cache, target_ref=target_dir(cfg, ws))
+    return specs.resolve(served.spec, ws.models_cache, target_ref=target_dir(cfg, ws))
 
 
 def schedule_file(ws: Workspace) -> Path:

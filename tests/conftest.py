@@ -34,9 +34,9 @@ def model_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_pair(model_cache):
     """(target_dir, draft_dir): a tiny random Llama and a 1-layer draft cut from it."""
-    from pipeline import models
+    from pipeline import specs
 
-    return models.resolve_pair(TINY_TARGET, "cut:1", model_cache)
+    return specs.resolve_pair(TINY_TARGET, "cut:1", model_cache)
 
 
 @pytest.fixture(scope="session")
@@ -49,6 +49,14 @@ def tiny_models(tiny_pair):
         models.load_model(t, "float32", "cpu"),
         models.load_model(d, "float32", "cpu"),
     )
+
+
+def target_greedy(target, ids: list[int], n: int, eos: int) -> list[int]:
+    """The independent oracle for "speculative output equals the target's": transformers' own
+    greedy `generate` on the target, cut before its end-of-turn token."""
+    out = target.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                          eos_token_id=eos, pad_token_id=eos)[0, len(ids) :].tolist()  # fmt: skip
+    return out[: out.index(eos)] if eos in out else out
 
 
 @pytest.fixture

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import requests
 
-from pipeline import models
+from pipeline import models, specs
 from pipeline.config import load_config
 from pipeline.server import create_app
 from pipeline.serving.core import make_core
-from pipeline.speculative.engine import SpeculativeEngine
+from pipeline.speculative.loaded import Models
 from pipeline.telemetry import setup_telemetry
 from tests.conftest import TINY_TARGET, wait_http
 from tests.servers import ServerThread, Valve
@@ -31,12 +31,12 @@ FAST = 8
 
 def main() -> None:
     cache = Path(sys.argv[1])
-    t, _ = models.resolve_pair(TINY_TARGET, "cut:1", cache)
+    t, _ = specs.resolve_pair(TINY_TARGET, "cut:1", cache)
     tok = models.load_tokenizer(t)
     target, draft = (models.load_model(t, "float32", "cpu") for _ in range(2))
     Valve(target, delay_s=0.02)
     slow = Valve(draft)
-    engine = SpeculativeEngine(target, draft, [tok.eos_token_id])
+    engine = Models(target, draft, [tok.eos_token_id])
     # No exploration: after warm-up the bandit exploits draft:4, so only the guard can stop it.
     cfg = load_config(
         None,

@@ -12,7 +12,7 @@ import uvicorn
 from pipeline.config import load_config
 from pipeline.models import Pair
 from pipeline.serving.core import ServingCore, make_core
-from pipeline.speculative.engine import SpeculativeEngine
+from pipeline.speculative.loaded import Models
 from tests.conftest import free_port
 
 TINY_ARMS = ["0", "draft:2", "draft:4", "draft:6", "draft:8", "ngram:4"]
@@ -54,7 +54,7 @@ def tiny_core(
     """A serving core over the tiny pair, built as every core is (`make_core`), from the
     default config with these arms (`sets`: more overrides; the drift guard off by default)."""
     tok, target, draft = tiny_models
-    engine = SpeculativeEngine(target, draft if with_draft else None, [tok.eos_token_id])
+    engine = Models(target, draft if with_draft else None, [tok.eos_token_id])
     cfg = load_config(
         None,
         [

@@ -9,7 +9,7 @@ must still end the process within the shutdown deadline.
 import sys
 from pathlib import Path
 
-from pipeline import models
+from pipeline import models, specs
 from pipeline.server import create_app, run_server
 from tests.conftest import TINY_TARGET
 from tests.servers import Valve, tiny_core
@@ -17,7 +17,7 @@ from tests.servers import Valve, tiny_core
 
 def main() -> None:
     cache, port, deadline = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-    t, d = models.resolve_pair(TINY_TARGET, "cut:1", cache)
+    t, d = specs.resolve_pair(TINY_TARGET, "cut:1", cache)
     tiny = (
         models.load_tokenizer(t),
         models.load_model(t, "float32", "cpu"),

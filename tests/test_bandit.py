@@ -8,7 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from pipeline.speculative.bandit import EpsilonGreedy, load_bandit, save_bandit
+from pipeline.serving.policy import load_bandit, save_bandit
+from pipeline.speculative.bandit import EpsilonGreedy
 
 ARMS = [0, 2, 4, 6, 8]
 
@@ -31,7 +32,7 @@ def test_the_bandits_defaults_are_the_configs():
     for name in ("warmup_pulls", "epsilon_start", "epsilon_floor", "epsilon_decay", "z"):
         assert params[name].default == getattr(b, name), name
     assert params["explore"].default == "plausible" and b.policy == "goodput"
-    from pipeline.speculative.bandit import GoodputBandit
+    from pipeline.speculative.goodput import GoodputBandit
 
     assert inspect.signature(GoodputBandit).parameters["explore_margin"].default == (
         b.explore_margin
@@ -203,9 +204,9 @@ def _rec(lat, tokens=10, proposed=0, accepted=0, prompt_tokens=100):
 def test_replay_of_measured_arms_scores_policies_like_the_bench():
     """The bandit replay (benchmarks/bandit_replay.py): arm 0 is always twice as fast as any
     drafting arm."""
+    from benchmarks.bandit_replay import replay
     from pipeline.config import load_config
     from pipeline.serving.policy import make_bandit, make_guard
-    from pipeline.speculative.replay import replay
 
     b = load_config(None, ["bandit.warmup_pulls=1"]).bandit
     arms = ["0", "draft:2", "draft:4", "ngram:2", "ngram:4"]
@@ -227,7 +228,8 @@ def test_replay_of_measured_arms_scores_policies_like_the_bench():
 def test_contextual_policy_learns_a_different_best_arm_per_prompt_length():
     """Short prompts: ngram:4 is best; long prompts: arm 0. A context-free bandit must pick one
     arm for both; the contextual one learns each cell and beats it."""
-    from pipeline.speculative.bandit import Context, ContextualBandit
+    from pipeline.speculative.bandit import Context
+    from pipeline.speculative.contextual import ContextualBandit
 
     arms = ["0", "ngram:4"]
 
@@ -257,7 +259,8 @@ def test_contextual_policy_learns_a_different_best_arm_per_prompt_length():
 
 
 def test_contextual_state_round_trips(tmp_path):
-    from pipeline.speculative.bandit import Context, ContextualBandit
+    from pipeline.speculative.bandit import Context
+    from pipeline.speculative.contextual import ContextualBandit
 
     b = ContextualBandit(["0", "ngram:4"], random.Random(0), 1)
     for i in range(6):
@@ -271,7 +274,7 @@ def test_contextual_state_round_trips(tmp_path):
 
 
 def test_drift_guard_falls_back_cools_down_and_probes():
-    from pipeline.speculative.bandit import DriftGuard
+    from pipeline.speculative.guard import DriftGuard
 
     g = DriftGuard(window=4, margin=0.2, cooldown=2, min_samples=2)
     assert g.observe(True, False, 10.0) is None  # plain: 10 tokens/s
@@ -316,10 +319,11 @@ def test_latency_weighted_rewards_make_the_mean_tokens_over_time():
 def test_forgetting_the_draft_arms_keeps_the_rest_and_pulls_them_again(tmp_path, policy):
     """A new draft model: the draft arms start over (pulled again first), 0 and ngram keep
     what they learnt; the state file carries the pending re-pulls across a restart."""
-    from pipeline.speculative.bandit import Context, ContextualBandit
+    from pipeline.speculative.bandit import Context
+    from pipeline.speculative.contextual import ContextualBandit
 
     arms = ["0", "draft:2", "draft:4", "ngram:4"]
-    from pipeline.speculative.bandit import GoodputBandit
+    from pipeline.speculative.goodput import GoodputBandit
 
     cls = {"contextual": ContextualBandit, "goodput": GoodputBandit}.get(policy, EpsilonGreedy)
 
@@ -345,7 +349,7 @@ def test_forgetting_the_draft_arms_keeps_the_rest_and_pulls_them_again(tmp_path,
 
 
 def goodput_bandit(arms=("0", "draft:2", "draft:4", "ngram:4"), **kw):
-    from pipeline.speculative.bandit import GoodputBandit
+    from pipeline.speculative.goodput import GoodputBandit
 
     return GoodputBandit(
         list(arms), random.Random(0), 1, **{"epsilon_start": 0.0, "epsilon_floor": 0.0, **kw}
@@ -401,7 +405,8 @@ def test_goodput_reads_the_measured_curve_flat_for_a_few_tokens_then_steep():
     """A CPU pass: 1 to 5 tokens cost about the same, then every token costs its share (what
     one line through all steps gets wrong at both ends). Prompt lookup pays alone; at 16 rows,
     where its guesses would triple the tokens fed, plain wins."""
-    from pipeline.speculative.bandit import Context, step_seconds
+    from pipeline.speculative.bandit import Context
+    from pipeline.speculative.cost import step_seconds
 
     curve = ((1.0, 0.090), (5.0, 0.100), (16.0, 0.290))
     assert step_seconds(curve, 3) == pytest.approx(0.095)  # between points: linear
@@ -432,7 +437,8 @@ def test_goodput_prices_a_row_by_what_it_adds_to_the_batch():
     """The prediction is the batch's goodput with the row in it: the other rows' tokens fed and
     committed per step (the context's) plus the row's, over the whole step at that size and
     the draft passes it adds (the marginal draft pass when other rows draft already)."""
-    from pipeline.speculative.bandit import Context, step_seconds
+    from pipeline.speculative.bandit import Context
+    from pipeline.speculative.cost import step_seconds
 
     b = goodput_bandit()
     for _ in range(4):
@@ -466,12 +472,13 @@ def test_the_step_gate_caps_the_bandit_rows_guesses_at_what_pays_at_this_batch()
     a row guesses its k; beside one plain row, on a pass flat for a few tokens, all 4 pay;
     beside 15 plain rows its guesses cost more than they give the batch; 4 such rows on a pass
     flat to 8 tokens guess 1 each (the first guesses ride the flat pass, the later ones would
-    not); a fixed arm keeps its k, and an adaptive row whose strategy has no acceptance yet
-    sits out. Other policies cap nothing."""
+    not); a fixed arm keeps its k, and of the adaptive rows whose strategy has no acceptance
+    yet (learners) the first guesses its k, the others sit out. Other policies cap nothing."""
     from pipeline.serving.policy import Policy
     from pipeline.speculative.arms import parse_arm
-    from pipeline.speculative.bandit import StepRow, step_seconds
     from pipeline.speculative.batch import Row
+    from pipeline.speculative.cost import step_seconds
+    from pipeline.speculative.goodput import StepRow
 
     b = goodput_bandit(arms=("0", "ngram:4", "draft:2"))
     for _ in range(3):
@@ -487,7 +494,8 @@ def test_the_step_gate_caps_the_bandit_rows_guesses_at_what_pays_at_this_batch()
     fixed, unknown = StepRow("ngram:4", 4, False, 5.0, 2.3), StepRow("draft:2", 2, True)
     assert b.step_caps([guess] * 4, flat8) == [1] * 4
     flat16 = ((1.0, 0.09), (16.0, 0.10), (32.0, 0.50))
-    assert b.step_caps([guess, fixed, unknown], flat16) == [4, 4, 0]
+    assert b.step_caps([guess, fixed, unknown], flat16) == [4, 4, 2]
+    assert b.step_caps([guess, unknown, fixed, unknown], flat16) == [4, 2, 4, 0]
     spent = StepRow("ngram:4", 0, True, 5.0, 2.3)  # its budget's last token: guesses nothing
     assert b.step_caps([spent, guess], step) == [0, 4]  # priced as plain, not by its history
     assert b.step_values([spent, guess], step)[0] == b.step_values([plain, guess], step)[0]
@@ -517,12 +525,34 @@ def test_the_step_gate_caps_the_bandit_rows_guesses_at_what_pays_at_this_batch()
     assert values[4] < 2.6 / step_seconds(knee, 4)  # the mean feed's price
 
 
+def test_an_arm_whose_request_left_its_acceptance_short_is_pulled_again():
+    """A request that taught its arm nothing (capped out, or done before it could guess), or
+    less than its k, puts the arm back on `rewarm`; once its k positions are measured, it is
+    not pulled again (`GoodputBandit.step_caps`, learners)."""
+    b = goodput_bandit(arms=("0", "draft:2", "draft:4"))
+    for _ in range(3):
+        b.choose()
+    teach(b, "draft:4", 0, [0, 0, 0, 0], [0, 0, 0, 0])  # capped at 0 every step
+    assert b.rewarm == ["draft:4"]
+    b.rewarm.clear()
+    teach(b, "draft:2", 10, [10, 10], [6, 4])  # draft:2 known; draft:4's positions 3, 4 not
+    assert b.rewarm == [] and b.guesses("draft:4") is not None
+    capped = ([5, 5, 0, 0], [5, 5, 0, 0], [3, 2, 0, 0])  # capped at 2: short of its k
+    b.update("draft:4", 1.0, None, 0.5, positions=capped)
+    assert b.rewarm == ["draft:4"]
+    teach(b, "draft:4", 5, [5, 5, 5, 5], [3, 2, 1, 1])
+    assert b.rewarm == ["draft:4"]  # once on the list; the next choice skips it as known
+    assert len(b.guesses("draft:4")) == 5
+    b.update("0", 1.0)  # plain: nothing to learn
+    assert b.rewarm == ["draft:4"]
+
+
 def test_the_step_gate_judges_the_rows_guessing_together():
     """Two EAGLE-3 rows share the head's passes (here a pass costs the same for one row as for
     two): both guessing pays (1.29x plain), where one guessing beside a plain row pays 4% at
     most (1 guess), under the 5% margin; a cap judged row by row beside rows that do not guess would never
     start."""
-    from pipeline.speculative.bandit import StepRow
+    from pipeline.speculative.goodput import StepRow
 
     b = goodput_bandit(arms=("0", "eagle:2"))
     for _ in range(2):
@@ -586,7 +616,8 @@ def test_goodput_prices_a_step_per_number_of_guesses_not_at_the_mean_feed():
     and S(5), not S(3) (priced at its mean feed it got 13 of 32 requests at 2 clients, where
     eagle:2 paid more).
     An arm that always guesses its k is priced at S(1 + k) either way."""
-    from pipeline.speculative.bandit import Context, step_seconds
+    from pipeline.speculative.bandit import Context
+    from pipeline.speculative.cost import step_seconds
 
     b = goodput_bandit(arms=("0", "ngram:4", "eagle:2"))
     for _ in range(3):
@@ -606,7 +637,8 @@ def test_goodput_the_margin_a_guess_must_beat_grows_with_the_rows(per_row):
     """A guess predicted 10% above plain: at 2 rows it passes the 5% margin, at 4 rows the
     margin is 15% (5% more a row past two) and the row is held back, and no speculative arm is
     chosen there; control: with no growth (`margin_per_row` 0) it guesses at 4 rows too."""
-    from pipeline.speculative.bandit import Context, StepRow
+    from pipeline.speculative.bandit import Context
+    from pipeline.speculative.goodput import StepRow
 
     b = goodput_bandit(arms=("0", "ngram:2"), speculate_margin=0.05, margin_per_row=per_row)
     for _ in range(2):
@@ -646,7 +678,7 @@ def test_policy_saves_state_at_most_every_interval_on_its_clock(tmp_path):
     from pipeline.serving.policy import make_policy
     from pipeline.serving.request import CoreResult, fixed
     from pipeline.speculative.bandit import Context
-    from pipeline.speculative.engine import GenerationResult
+    from pipeline.speculative.row import GenerationResult
 
     now = [100.0]
     state = tmp_path / "bandit.json"
@@ -747,7 +779,8 @@ def test_goodput_counts_the_other_rows_proposals_in_every_rows_step():
     a head's time per eagle row, and one draft pass per position over the rows still guessing."""
     from types import SimpleNamespace
 
-    from pipeline.speculative.bandit import Context, drafting_seconds
+    from pipeline.speculative.bandit import Context
+    from pipeline.speculative.cost import drafting_seconds
 
     b = goodput_bandit(arms=("0", "ngram:4", "eagle:2"))
     for _ in range(3):
@@ -785,7 +818,8 @@ def test_an_eagle_row_pays_what_it_adds_to_the_shared_head_passes_its_read_inclu
     too little. A row the gate holds back shares a pass only in the steps it guesses in."""
     from types import SimpleNamespace
 
-    from pipeline.speculative.bandit import Context, added_passes, drafting_seconds, head_rows
+    from pipeline.speculative.bandit import Context
+    from pipeline.speculative.cost import added_passes, drafting_seconds, head_rows
 
     b = goodput_bandit(arms=("0", "eagle:4"))
     for _ in range(2):
@@ -872,7 +906,7 @@ def test_the_drift_guard_judges_a_request_at_the_load_it_ran_at(judged_at_its_ru
     from pipeline.serving.policy import make_policy
     from pipeline.serving.request import CoreResult, fixed
     from pipeline.speculative.bandit import Context, Decision
-    from pipeline.speculative.engine import GenerationResult
+    from pipeline.speculative.row import GenerationResult
 
     p = make_policy(BanditConfig(policy="goodput"), ["0", "ngram:4"])
     step = line(0.028, 0.002)  # plain: 1 row 33.3 tok/s, 2 rows 62.5 tok/s a row
@@ -905,3 +939,21 @@ def test_without_a_plain_arm_a_choice_before_any_acceptance_is_known_does_not_fa
         assert d.arm in ("ngram:4", "eagle:2") and not d.warmup
     teach(b, "eagle:2", 10, [10, 10], [5, 3])
     assert b.choose(Context(rows=1, step_cost=line(0.03, 0.0005))).arm == "eagle:2"
+
+
+@pytest.mark.parametrize("policy", ["seed", "plausible", "contextual", "goodput"])
+def test_every_configurable_policy_serves_bandit_requests(tiny_models, policy):
+    """Each `bandit.policy` value builds a serving core whose bandit requests run and teach it
+    (no policy is benchmark-only: the config accepts them all)."""
+    from pipeline.serving.request import Request
+    from tests.servers import tiny_core
+
+    core = tiny_core(
+        tiny_models, arms=["0", "draft:2", "ngram:2"], sets=(f"bandit.policy={policy}",)
+    )
+    ids = core.text_prompt_ids("def add(a, b):")
+    for _ in range(3):
+        out = core.generate(Request(ids, 6, core.mode("bandit")), timeout=60)
+        assert out.decision is not None and len(out.result.token_ids) == 6
+    assert sum(core.bandit.counts.values()) == 3
+    core.close()

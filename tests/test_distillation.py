@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from pipeline import distillation, models
+from pipeline import distillation, models, specs
 from pipeline.config import load_config
 from pipeline.errors import ConfigError
 from tests.conftest import CI, MBPP, build_workspace, copy_workspace
@@ -100,7 +100,7 @@ def _gap_to_target(art, draft_dir, kind, n=6) -> float:
     from pipeline.workspace import Workspace
 
     ws = Workspace(art)
-    target_ref, _ = models.resolve_pair(cfg.models.target, cfg.models.draft, ws.models_cache)
+    target_ref, _ = specs.resolve_pair(cfg.models.target, cfg.models.draft, ws.models_cache)
     tok = models.load_tokenizer(target_ref)
     rows, _ = build_examples(list(load_answers(ws.answers_file).values())[:n], tok, {}, 512)
     batch = distillation.Collator(tok.pad_token_id)(rows)
@@ -136,7 +136,7 @@ def test_objectives_move_the_draft_toward_the_target(distilled_ws, tmp_path, obj
     if "on_policy" in objective[0]:
         assert all(h["on_policy_batches"] == 1.0 for h in log)  # ratio 1: the draft wrote all
     cfg = load_config("configs/ci.yaml")
-    _, base = models.resolve_pair(cfg.models.target, cfg.models.draft, art / "cache" / "models")
+    _, base = specs.resolve_pair(cfg.models.target, cfg.models.draft, art / "cache" / "models")
     kind = next((x.split("=")[1] for x in objective if "divergence" in x), "forward_kl")
     before = _gap_to_target(art, base, kind)
     after = _gap_to_target(art, art / "adapter" / "model", kind)

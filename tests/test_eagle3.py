@@ -12,6 +12,7 @@ import torch
 from pipeline import eagle3, models, train_data
 from pipeline.speculative.eagle3 import HeadCache
 from pipeline.speculative.eagle3_config import config_from_target, default_aux_layers
+from tests.conftest import target_greedy
 
 
 @pytest.fixture(scope="module")
@@ -322,14 +323,11 @@ def test_train_and_merge_an_eagle3_head_through_the_command_line(distilled_ws, t
 
 @pytest.fixture(scope="module")
 def trained_head(tiny_models, tmp_path_factory):
-    from pipeline.speculative.engine import SpeculativeEngine
-
     tok, target, _ = tiny_models
-    eng = SpeculativeEngine(target, None, [tok.eos_token_id])
     rows = []
     for i in range(8):  # as distill's answers are: the target's own greedy outputs
         p = models.user_prompt_ids(tok, f"Write a function number {i}.")
-        out = eng.generate(p, 0, 24).token_ids
+        out = target_greedy(target, p, 24, tok.eos_token_id)
         rows.append({"input_ids": p + out, "completion_mask": [0] * len(p) + [1] * len(out)})
     torch.manual_seed(3)
     head = eagle3.new_head(target, list(range(target.config.vocab_size)), None)
@@ -351,10 +349,10 @@ def test_the_step_loop_feeds_the_head_the_states_a_full_forward_gives(
     target's own."""
     from pipeline.speculative.arms import parse_arm
     from pipeline.speculative.batch import RowBatch
-    from pipeline.speculative.engine import SpeculativeEngine
+    from pipeline.speculative.loaded import Models
 
     tok, target, _ = tiny_models
-    eng = SpeculativeEngine(target, None, [tok.eos_token_id], head=trained_head)
+    eng = Models(target, None, [tok.eos_token_id], head=trained_head)
     prompt = models.user_prompt_ids(tok, "Write a function number 3.")
     batch = RowBatch(eng, max_rows=2, lean=lean)
     (row,) = batch.join([("a", prompt, 20, parse_arm("eagle:3"))])
@@ -362,7 +360,7 @@ def test_the_step_loop_feeds_the_head_the_states_a_full_forward_gives(
     while batch.rows:
         batch.step()
         guesses.append(list(row.drafts))
-    assert row.out == eng.generate(prompt, 0, 20).token_ids
+    assert row.out == target_greedy(target, prompt, 20, tok.eos_token_id)
     seq = prompt + row.out
     aux = _aux(target, seq, trained_head.config.aux_layer_ids)
     # The loop's first step verifies the first output token too: its rounds start at the
@@ -385,18 +383,41 @@ def test_a_new_head_between_steps_lets_running_eagle_rows_finish_plain_and_exact
 ):
     from pipeline.speculative.arms import parse_arm
     from pipeline.speculative.batch import RowBatch
-    from pipeline.speculative.engine import SpeculativeEngine
+    from pipeline.speculative.loaded import Models
 
     tok, target, _ = tiny_models
-    eng = SpeculativeEngine(target, None, [tok.eos_token_id], head=trained_head)
+    eng = Models(target, None, [tok.eos_token_id], head=trained_head)
     prompt = models.user_prompt_ids(tok, "Write a function number 5.")
     batch = RowBatch(eng, max_rows=2)
     (row,) = batch.join([("a", prompt, 16, parse_arm("eagle:3"))])
     batch.step()
     guessed = row.proposed
     other = eagle3.new_head(target, list(range(target.config.vocab_size)), None).eval()
-    batch.set_engine(SpeculativeEngine(target, None, [tok.eos_token_id], head=other))
+    batch.set_models(Models(target, None, [tok.eos_token_id], head=other))
     while batch.rows:
         batch.step()
     assert guessed > 0 and row.proposed == guessed  # no guess after the swap
-    assert row.out == eng.generate(prompt, 0, 16).token_ids
+    assert row.out == target_greedy(target, prompt, 16, tok.eos_token_id)
+
+
+def test_a_one_token_prompt_on_an_eagle_arm_is_served_exactly(tiny_models, trained_head):
+    """A prompt of one token feeds the target nothing at join (no state for the head yet):
+    alone or beside a longer prompt, the eagle row joins, guesses from its first step's states
+    on, and its output is the target's own (it was a 500: the prefill of nothing returned no
+    states and join read them)."""
+    from pipeline.speculative.arms import parse_arm
+    from pipeline.speculative.batch import RowBatch
+    from pipeline.speculative.loaded import Models
+
+    tok, target, _ = tiny_models
+    models_ = Models(target, None, [tok.eos_token_id], head=trained_head)
+    longer = models.user_prompt_ids(tok, "Write a function number 2.")
+    one = longer[:1]
+    for group in ([one], [one, longer]):
+        batch = RowBatch(models_, max_rows=2)
+        rows = batch.join([(i, p, 12, parse_arm("eagle:2")) for i, p in enumerate(group)])
+        while batch.rows:
+            batch.step()
+        for r, p in zip(rows, group, strict=True):
+            assert r.out == target_greedy(target, p, 12, tok.eos_token_id)
+        assert rows[0].proposed > 0  # it guessed once it had states

@@ -1,4 +1,4 @@
-"""The static-cache, compiled, pruned-head engine: same outputs, every shape compiled before
+"""The compiled pass and the pruned draft head: same outputs, every shape compiled before
 serving, clear failures. Compilation here uses torch.compile's eager backend (dynamo captures
 graphs and guards exactly as with inductor, without generating code); `-m slow` runs inductor."""
 
@@ -9,106 +9,56 @@ import pytest
 import requests
 import torch
 
-from pipeline import models
+from pipeline import compiling, models
 from pipeline.config import load_config
 from pipeline.server import create_app
-from pipeline.speculative.engine import SpeculativeEngine
-from pipeline.speculative.proposers import draft_token
+from pipeline.speculative.arms import parse_arm
+from pipeline.speculative.batch import RowBatch, generate
+from pipeline.speculative.loaded import Models
 from pipeline.workspace import Workspace
-from tests.conftest import wait_http
+from tests.conftest import target_greedy, wait_http
 from tests.servers import ServerThread
 
 from .test_engine import PROMPTS, ids_for
 
 CHAT = "/v1/chat/completions"
 
-ARMS = [0, 1, 2, 4]
 
-
-def _reference(tiny_models):
+def _reference(tiny_models, n=24):
     tok, target, _ = tiny_models
-    eng = SpeculativeEngine(target, None, [tok.eos_token_id])
-    return {text: eng.generate(ids_for(tok, text), 0, 24) for text in PROMPTS}
+    return {t: target_greedy(target, ids_for(tok, t), n, tok.eos_token_id) for t in PROMPTS}
 
 
 def _subset(tok, vocab):
     return [tok.eos_token_id, *range(0, vocab, 2)]  # every other id: many guesses impossible
 
 
-@pytest.fixture(scope="module")
-def cpu_gqa():
-    """The attention setting `models.compile_engine` gives a CPU engine, for this module only."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(models.GQA_ENV, "1")
-        yield
-
-
-@pytest.fixture(scope="module")
-def compiled_engines(tiny_models, cpu_gqa):
-    """A cut draft with a pruned head, static caches, compiled steps; and a self-draft engine
-    sharing its target cache and compiled target step (its own draft steps stay eager: the
-    target-as-draft path is the same code as the cut's, and each graph costs seconds)."""
-    tok, target, draft = tiny_models
-    eos = [tok.eos_token_id]
-    cut = SpeculativeEngine(
-        target, draft, eos, static_len=128, draft_token_ids=_subset(tok, draft.config.vocab_size)
-    )
-    cut.compile_steps(ARMS, backend="eager")
-    cut.warm_up(ARMS)
-    selfd = SpeculativeEngine(target, target, eos, static_len=128, share_target=cut)
-    selfd.compile_steps(ARMS, backend="eager", draft=False)
-    selfd.warm_up(ARMS)
-    return cut, selfd
-
-
-@pytest.mark.slow  # the one-request engine's compiled steps: benchmarks only; the loop serves
-def test_outputs_equal_target_only_for_every_arm_compiled_static_and_pruned(
-    tiny_models, compiled_engines
-):
-    tok = tiny_models[0]
-    ref = _reference(tiny_models)
-    cut, selfd = compiled_engines
-    # After warm-up, no request may compile anything: every shape the loop uses is ready.
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for text in PROMPTS:
-            ids = ids_for(tok, text)
-            for eng in (cut, selfd):
-                for k in ARMS:
-                    r = eng.generate(ids, k, 24)
-                    assert r.token_ids == ref[text].token_ids, (text, k, eng is cut)
-                    assert r.finish_reason == ref[text].finish_reason
-    full = selfd.generate(ids_for(tok, PROMPTS[0]), 4, 24)
-    assert full.proposed and full.accepted == full.proposed  # self-draft: every guess right
-
-
-def test_pruned_head_only_guesses_inside_its_subset(tiny_models):
+def test_pruned_head_only_guesses_inside_its_subset_and_stays_exact(tiny_models):
     tok, target, draft = tiny_models
     subset = _subset(tok, draft.config.vocab_size)
-    eng = SpeculativeEngine(target, draft, [tok.eos_token_id], draft_token_ids=subset)
-    full = SpeculativeEngine(target, draft, [tok.eos_token_id])
-    seen_outside_with_full_head = False
+    pruned = Models(target, draft, [tok.eos_token_id], draft_token_ids=subset)
+    full = Models(target, draft, [tok.eos_token_id])
     allowed = set(subset)
-    for text in PROMPTS:
-        ids = torch.tensor([ids_for(tok, text)])
-        with torch.inference_mode():
-            head, head_ids = eng.drafter.step.args
-            d = eng.drafter.step.new_cache()
-            assert int(draft_token(draft, ids, d, head, head_ids)) in allowed
-            d2 = full.drafter.step.new_cache()
-            seen_outside_with_full_head |= (
-                int(draft_token(draft, ids, d2, None, None)) not in allowed
-            )
-    assert eng.draft_head_ids == sorted(allowed)
-    assert seen_outside_with_full_head  # the subset really constrains this draft
+    assert pruned.draft_head_ids == sorted(allowed)
+    ref = _reference(tiny_models)
+    guessed = {"pruned": set(), "full": set()}
+    for name, models_ in (("pruned", pruned), ("full", full)):
+        batch = RowBatch(models_, max_rows=len(PROMPTS))
+        rows = batch.join([(t, ids_for(tok, t), 24, parse_arm("draft:3")) for t in PROMPTS])
+        while batch.rows:
+            batch.step()
+            guessed[name].update(t for r in rows for t in r.drafts)
+        assert all(r.out == ref[r.key] for r in rows)
+    assert guessed["pruned"] and guessed["pruned"] <= allowed
+    assert guessed["full"] - allowed  # the subset really constrains this draft
 
 
-def test_static_cache_bounds_the_context(tiny_models):
+def test_the_limit_bounds_prompt_and_output(tiny_models):
     tok, target, draft = tiny_models
-    eng = SpeculativeEngine(target, draft, [tok.eos_token_id], static_len=100)
-    assert eng.max_context == 100
     ids = ids_for(tok, PROMPTS[0])
-    r = eng.generate(ids, 4, 500)  # never writes past the cache: stops at its end
-    assert len(ids) + r.output_tokens <= 100
+    batch = RowBatch(Models(target, draft, [tok.eos_token_id]), max_rows=1, limit=len(ids) + 7)
+    r = generate(batch.models, ids, parse_arm("draft:4"), 500, batch=batch)
+    assert r.finish_reason == "length" and len(ids) + r.output_tokens == len(ids) + 7
 
 
 def test_token_counts_rank_then_fill_by_id():
@@ -171,14 +121,14 @@ def test_compile_auto_falls_back_with_one_warning_and_true_fails(tiny_pair, tmp_
     bad = ["engine.backend=no_such_backend"]
     cfg = load_config("configs/ci.yaml", [*over, "engine.compile=auto", *bad])
     pair = models.load_pair(cfg, ws, cfg.models.draft)
-    assert models.compile_engine(cfg, ws, pair) is False
+    assert compiling.compile_engine(cfg, ws, pair) is False
     warnings = [r for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "no_such_backend" in warnings[0].getMessage()
     assert not pair.target._phoenix_runner.compiled
     cfg = load_config("configs/ci.yaml", [*over, "engine.compile=true", *bad])
     pair = models.load_pair(cfg, ws, cfg.models.draft)
     with pytest.raises(PhoenixError, match="engine.compile=true: compiling failed"):
-        models.compile_engine(cfg, ws, pair)
+        compiling.compile_engine(cfg, ws, pair)
 
 
 def test_the_compiled_loop_serves_every_arm_exactly_with_nothing_left_to_compile(
@@ -191,8 +141,6 @@ def test_the_compiled_loop_serves_every_arm_exactly_with_nothing_left_to_compile
 
     from pipeline import eagle3
     from pipeline.serving.scheduler import Job, Scheduler
-    from pipeline.speculative.arms import parse_arm
-    from pipeline.speculative.batch import RowBatch
 
     ws = Workspace(tmp_path / "art")
     ws.models_cache.mkdir(parents=True)
@@ -207,14 +155,15 @@ def test_the_compiled_loop_serves_every_arm_exactly_with_nothing_left_to_compile
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
     torch.manual_seed(0)
     vocab = list(range(pair.target.config.vocab_size))
-    pair.engine.head = eagle3.new_head(pair.target, vocab, None).eval()
-    assert models.compile_engine(cfg, ws, pair) is True
-    assert pair.engine.head.compiled
+    pair.models.head = eagle3.new_head(pair.target, vocab, None).eval()
+    assert compiling.compile_engine(cfg, ws, pair) is True
+    assert pair.models.head.compiled
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(ws.compile_cache / "inductor")
-    tok, eng = pair.tokenizer, pair.engine
-    refs = {t: eng.generate(ids_for(tok, t), 0, 20).token_ids for t in PROMPTS}
+    tok = pair.tokenizer
+    eos = tok.eos_token_id
+    refs = {t: target_greedy(pair.target, ids_for(tok, t), 20, eos) for t in PROMPTS}
     arms = ("0", "draft:2", "draft:4", "ngram:4", "eagle:1", "eagle:3")
-    loop = Scheduler(RowBatch(eng, 4))
+    loop = Scheduler(RowBatch(pair.models, 4))
     done, results = threading.Semaphore(0), []
 
     def finished(job):
@@ -316,15 +265,12 @@ def test_the_inductor_compiled_pass_serves_the_loop_exactly_from_one_graph(
     import torch._dynamo.convert_frame as convert_frame
 
     from pipeline.serving.scheduler import Job, Scheduler
-    from pipeline.speculative.arms import parse_arm
-    from pipeline.speculative.batch import RowBatch
     from pipeline.speculative.runner import warm_up
 
     tok, target, _ = tiny_models
-    eng = SpeculativeEngine(target, None, [tok.eos_token_id])
-    refs = {t: eng.generate(ids_for(tok, t), 0, 20).token_ids for t in PROMPTS}
-    batch = RowBatch(eng, 3)
-    batch._caches()  # the runner for the loop's context (`prepare`)
+    refs = _reference(tiny_models, 20)
+    batch = RowBatch(Models(target, None, [tok.eos_token_id]), 3)
+    batch._cache()  # the runner for the loop's context (`prepare`)
     run = target._phoenix_runner
     restarts = []
 
@@ -357,26 +303,6 @@ def test_the_inductor_compiled_pass_serves_the_loop_exactly_from_one_graph(
     for j, t in zip(jobs, texts, strict=True):
         assert j.error is None and j.result.token_ids == refs[t], j.arm
     assert run.graph_passes - before >= loop.batch.steps > 0
-
-
-@pytest.mark.slow
-def test_inductor_compiled_engine_is_lossless(tiny_models, cpu_gqa):
-    tok, target, draft = tiny_models
-    ref = _reference(tiny_models)
-    eng = SpeculativeEngine(
-        target, draft, [tok.eos_token_id], static_len=128, draft_token_ids=_subset(tok, 259)
-    )
-    eng.compile_steps(ARMS)
-    torch._dynamo.utils.counters.clear()
-    eng.warm_up(ARMS)
-    # Inductor lowered every step whole: no graph break, no backend failure fallen back from
-    # (torch.take in the pruned draft step was one, on a CPU).
-    broken = {k: dict(torch._dynamo.utils.counters[k]) for k in ("graph_break", "unimplemented")}
-    assert not any(broken.values()), broken
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        for text in PROMPTS:
-            for k in ARMS:
-                assert eng.generate(ids_for(tok, text), k, 24).token_ids == ref[text].token_ids
 
 
 def test_compiled_server_warms_before_health_and_bounds_context(tmp_path, monkeypatch):

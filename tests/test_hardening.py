@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import requests
 
-from pipeline import server as server_mod
 from pipeline.artifacts import weights_id
 from pipeline.config import BanditConfig
 from pipeline.errors import LockHeld
+from pipeline.server import app as server_app
 from pipeline.server import create_app, is_loopback
 from pipeline.serving.policy import make_policy
 from pipeline.workspace import workspace_lock
@@ -80,13 +80,13 @@ def test_the_admin_endpoint_opens_with_a_key_loopback_or_the_opt_in(
 def test_the_bearer_token_is_compared_in_constant_time(tiny_models, monkeypatch):
     monkeypatch.setenv("PHOENIX_API_KEY", "sekret")
     seen = []
-    real = server_mod.hmac.compare_digest
+    real = server_app.hmac.compare_digest
 
     def spy(a, b):
         seen.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(server_mod.hmac, "compare_digest", spy)
+    monkeypatch.setattr(server_app.hmac, "compare_digest", spy)
     with ServerThread(create_app(lambda: tiny_core(tiny_models))) as s:
         wait_http(s.url + "/health")
         bad = requests.get(s.url + "/v1/models", headers={"Authorization": "Bearer nope"})

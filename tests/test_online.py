@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from pipeline import artifacts, models, traffic
+from pipeline import artifacts, specs, traffic
 from pipeline.config import load_config
 from pipeline.server import build_app
 from pipeline.workspace import Workspace, read_jsonl
@@ -171,9 +171,7 @@ def test_a_promoted_draft_is_swapped_in_under_load_without_failing_a_request(mer
 
     art = copy_workspace(merged_ws, tmp_path / "art")
     ws = Workspace(art)
-    base_dir = Path(
-        models.resolve("cut:1", ws.models_cache, models.resolve(MODEL, ws.models_cache))
-    )
+    base_dir = Path(specs.resolve("cut:1", ws.models_cache, specs.resolve(MODEL, ws.models_cache)))
     prompts = [r["prompt"] for r in read_jsonl(ws.test_file)[:2]]
     with FakeSentry() as sentry:
         proc, url = start_serve(
@@ -411,7 +409,7 @@ def test_a_swap_lands_between_steps_and_old_rewards_are_dropped(tiny_models):
     from concurrent.futures import ThreadPoolExecutor
 
     from pipeline.serving.request import Request, fixed
-    from pipeline.speculative.engine import SpeculativeEngine
+    from pipeline.speculative.loaded import Models
     from tests.servers import Valve, tiny_core
 
     tok, target, draft = tiny_models
@@ -429,7 +427,7 @@ def test_a_swap_lands_between_steps_and_old_rewards_are_dropped(tiny_models):
         waiting = [Request(ids, 8, fixed("draft:2")) for _ in range(5)]
         for r in waiting:
             core.submit(r)
-        new = models_pair(tok, SpeculativeEngine(target, draft, [tok.eos_token_id]))
+        new = models_pair(tok, Models(target, draft, [tok.eos_token_id]))
         with ThreadPoolExecutor(1) as pool:
             swap = pool.submit(core.swap_draft, new, "new", {"spec": "new"})
             time.sleep(0.3)  # the swap waits for the step to end
@@ -446,10 +444,10 @@ def test_a_swap_lands_between_steps_and_old_rewards_are_dropped(tiny_models):
     core.close()
 
 
-def models_pair(tok, engine):
+def models_pair(tok, loaded):
     from pipeline.models import Pair
 
-    return Pair(tok, engine, "tiny", "new-draft")
+    return Pair(tok, loaded, "tiny", "new-draft")
 
 
 def test_a_reward_earned_by_a_swapped_out_draft_is_not_credited(tiny_models):

@@ -22,8 +22,9 @@ from pipeline.speculative import batch as batch_mod
 from pipeline.speculative import sampling as sm
 from pipeline.speculative.arms import parse_arm
 from pipeline.speculative.batch import RowBatch, sample_outputs
-from pipeline.speculative.engine import SpeculativeEngine
+from pipeline.speculative.loaded import Models
 from pipeline.speculative.sampling import Sampling, chi_square, draw, probabilities, verify
+from tests.conftest import target_greedy
 
 ALPHA = 1e-3  # each comparison's significance
 SAMPLES = 1000  # generations per arm
@@ -123,7 +124,7 @@ def engine(tiny_models):
     tok, target, draft = tiny_models
     torch.manual_seed(0)  # an EAGLE-3 head started from the target: the eagle:K arms
     head = eagle3.new_head(target, list(range(target.config.vocab_size)), None).eval()
-    return tok, SpeculativeEngine(target, draft, [tok.eos_token_id], head=head)
+    return tok, Models(target, draft, [tok.eos_token_id], head=head)
 
 
 def generate_many(eng, prompt, arm, n, seed0, tokens=POSITIONS, rows=64, **kw):
@@ -185,7 +186,7 @@ def test_a_seed_reproduces_its_output_and_greedy_stays_exact(engine):
         b, _ = generate_many(eng, prompt, arm, 3, seed0=7, tokens=12, temperature=1.0)
         assert a == b
         assert len(set(a)) > 1  # different seeds, different samples
-    ref = eng.generate(prompt, 0, 12).token_ids
+    ref = target_greedy(eng.target, prompt, 12, tok.eos_token_id)
     for arm in ("0", "draft:4"):
         out, _ = generate_many(eng, prompt, arm, 1, seed0=0, tokens=12, temperature=0.0)
         assert [t for t in out[0] if t is not None] == ref

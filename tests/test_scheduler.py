@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -14,10 +15,11 @@ from pipeline.models import user_prompt_ids
 from pipeline.serving.request import Cancelled, Refused
 from pipeline.serving.scheduler import Job, Scheduler, apart
 from pipeline.speculative.arms import parse_arm
-from pipeline.speculative.bandit import per_step
-from pipeline.speculative.batch import RowBatch, StepCost
-from pipeline.speculative.engine import SpeculativeEngine
+from pipeline.speculative.batch import RowBatch
+from pipeline.speculative.cost import StepCost, per_step
+from pipeline.speculative.loaded import Models
 from pipeline.speculative.rows import RowCache, target_scores
+from tests.conftest import target_greedy
 
 PROMPTS = [
     "Write a function to add two numbers.",
@@ -33,11 +35,13 @@ def engine(tiny_models):
     tok, target, draft = tiny_models
     torch.manual_seed(0)  # an EAGLE-3 head started from the target (eagle:K rows)
     head = eagle3.new_head(target, list(range(target.config.vocab_size)), None).eval()
-    return tok, SpeculativeEngine(target, draft, [tok.eos_token_id], head=head)
+    return tok, Models(target, draft, [tok.eos_token_id], head=head)
 
 
 def reference(eng, ids, n):
-    return eng.generate(ids, 0, n)
+    """Target-only greedy output, by transformers' `generate` (the oracle)."""
+    out = target_greedy(eng.target, ids, n, min(eng.eos_token_ids))
+    return types.SimpleNamespace(token_ids=out, finish_reason="length" if len(out) == n else "stop")
 
 
 def StepLoop(eng, max_rows, lean=True):  # noqa: N802 - a scheduler over a fresh batch
@@ -59,7 +63,7 @@ def submit(loop: Scheduler, ids, n, arm, **kw):
 def test_rows_of_every_arm_joining_and_leaving_give_target_only_output(engine, lean):
     """Requests of all arms and budgets arrive staggered (so rows join and leave mid-way) and
     share steps; every output equals target-only greedy decoding of that prompt alone
-    (`engine.generate`, transformers' own forward), through the lean runner and through
+    (transformers' own `generate`), through the lean runner and through
     transformers' forward with the rows' attention."""
     tok, eng = engine
     loop = StepLoop(eng, max_rows=6, lean=lean)
@@ -94,7 +98,7 @@ def test_a_row_that_ends_on_its_first_token_and_a_one_token_budget(engine):
     loop = StepLoop(eng, max_rows=4)
     ids = user_prompt_ids(tok, PROMPTS[0])
     first = reference(eng, ids, 1).token_ids[0]
-    eos_eng = SpeculativeEngine(eng.target, eng.draft, [first])  # its first token is end-of-turn
+    eos_eng = Models(eng.target, eng.draft, [first])  # its first token is end-of-turn
     eos_loop = StepLoop(eos_eng, max_rows=4)
     res = submit(eos_loop, ids, 10, "draft:4")
     assert res.token_ids == [] and res.finish_reason == "stop"
@@ -239,7 +243,7 @@ def test_apart_runs_on_a_thread_that_has_ended():
 
 def test_requests_that_cannot_join_are_refused_alone(engine):
     tok, eng = engine
-    plain = SpeculativeEngine(eng.target, None, [tok.eos_token_id])
+    plain = Models(eng.target, None, [tok.eos_token_id])
     loop = StepLoop(plain, max_rows=2)
     with pytest.raises(Refused, match="empty prompt"):
         submit(loop, [], 4, "0")
@@ -256,20 +260,20 @@ def test_row_cache_rolls_back_one_row_without_touching_the_other(tiny_models):
     cache = RowCache(target, rows=3, limit=64, capacity=8)
     a, b = cache.alloc(), cache.alloc()
     seq_a, seq_b = [5, 6, 7, 8, 9], [11, 12]
-    target_scores(target, cache, [a, b], [seq_a, seq_b], 0)
-    target_scores(target, cache, [a, b], [[1, 2, 3, 4], [4]], 0)  # ragged, past the capacity of 8
+    target_scores(target, cache, [a, b], [seq_a, seq_b])
+    target_scores(target, cache, [a, b], [[1, 2, 3, 4], [4]])  # ragged, past the capacity of 8
     cache.crop(a, len(seq_a) + 1)  # row a keeps only token 1
-    got = target_scores(target, cache, [a, b], [[2], [13]], 0)
+    got = target_scores(target, cache, [a, b], [[2], [13]])
     fresh = RowCache(target, rows=2, limit=64)
     c, d = fresh.alloc(), fresh.alloc()
-    want = target_scores(target, fresh, [c, d], [[*seq_a, 1, 2], [*seq_b, 4, 13]], 0)
+    want = target_scores(target, fresh, [c, d], [[*seq_a, 1, 2], [*seq_b, 4, 13]])
     assert got[0] == want[0][-1:] and got[1] == want[1][-1:]
     moved = cache.release(a)  # the last row moves into the freed slot, its prefix intact
     assert moved == b and cache.lengths[a] == len(seq_b) + 2
-    again = target_scores(target, cache, [a], [[13]], 0)
+    again = target_scores(target, cache, [a], [[13]])
     cache2 = RowCache(target, rows=1, limit=64)
     e = cache2.alloc()
-    assert again[0] == target_scores(target, cache2, [e], [[*seq_b, 4, 13, 13]], 0)[0][-1:]
+    assert again[0] == target_scores(target, cache2, [e], [[*seq_b, 4, 13, 13]])[0][-1:]
     assert cache.capacity > 8  # it grew past its first capacity, prefixes kept
 
 
@@ -287,8 +291,7 @@ def test_rows_stay_in_slot_order_so_a_step_reads_the_cache_as_a_view(engine):
     b.leave(rows[1])
     assert [r.tslot for r in b.rows] == [0, 1, 2]
     b.step()
-    tc, dc = b._caches()
-    assert tc._plan.view == (0, 3)
+    assert b._cache()._plan.view == (0, 3)
     # Plain, draft, draft; the plain row leaves: the last row takes target slot 0 but keeps
     # draft slot 1, so in target order the drafting rows hold draft slots 1, 0.
     b = RowBatch(eng, max_rows=4)
@@ -299,8 +302,7 @@ def test_rows_stay_in_slot_order_so_a_step_reads_the_cache_as_a_view(engine):
     b.leave(rows[0])
     assert [r.dslot for r in b.rows] == [1, 0]
     b.step()
-    tc, dc = b._caches()
-    assert tc._plan.view == (0, 2) and dc._plan.view == (0, 2)
+    assert b._cache()._plan.view == (0, 2) and b._proposers["draft"].cache._plan.view == (0, 2)
 
 
 def test_step_cost_shares_split_the_fixed_part_equally_and_tokens_by_row():
@@ -338,7 +340,7 @@ def test_step_cost_per_row_count_prices_a_guess_by_the_load_it_was_measured_at()
     curve, whose 20-token bucket mixes 4 rows that all guessed with them, prices them lower.
     Per row count the curve has both; at a load not measured it borrows the all-rows curve's
     increments (optimistic: that load gets tried, then measured)."""
-    from pipeline.speculative.bandit import step_seconds
+    from pipeline.speculative.cost import step_seconds
 
     cost = StepCost()
     for rows, fed, ms in [(1, 1, 26.4), (1, 5, 29.6), (4, 4, 29.1), (4, 20, 42.2),
@@ -363,7 +365,7 @@ def test_step_cost_below_what_a_row_count_measured_follows_the_all_rows_curve_do
     """4 rows measured only guessing (12 tokens, 146 ms: AMD EPYC, AVX2, float32): their plain
     4-token step is priced in proportion to the all-rows curve from there (146 x 84 / 143 =
     86 ms), not held at 146 ms, which made plain look as dear as guessing."""
-    from pipeline.speculative.bandit import step_seconds
+    from pipeline.speculative.cost import step_seconds
 
     cost = StepCost()
     for rows, fed, ms in [(2, 4, 84.0), (2, 12, 140.0), (4, 12, 146.0)]:
@@ -381,7 +383,7 @@ def test_the_step_curve_never_prices_more_tokens_cheaper():
     8-token points seen many times. A pass of more tokens never costs less, so adjacent
     points out of order are pooled, weighted by their steps: the lone point no longer sets a
     7th token at 20 ms and an 8th at -16 ms."""
-    from pipeline.speculative.bandit import step_seconds
+    from pipeline.speculative.cost import step_seconds
 
     cost = StepCost()
     for fed, ms, times in [(2, 34.1, 8), (4, 37.2, 8), (6, 42.9, 8), (7, 62.8, 1), (8, 46.9, 6)]:
@@ -532,11 +534,11 @@ def test_the_gate_caps_adaptive_rows_only_and_outputs_stay_exact(engine, cap):
 def test_a_qwen3_pair_runs_the_loop_exactly(model_cache):
     """The reference setup's architecture (q/k norms, tied embeddings), tiny: every arm through
     the lean runner equals target-only greedy decoding by transformers' forward."""
-    from pipeline import models
+    from pipeline import models, specs
 
-    t, d = models.resolve_pair("tiny:arch=qwen3,layers=2,hidden=64,seed=1", "cut:1", model_cache)
+    t, d = specs.resolve_pair("tiny:arch=qwen3,layers=2,hidden=64,seed=1", "cut:1", model_cache)
     tok = models.load_tokenizer(t)
-    eng = SpeculativeEngine(
+    eng = Models(
         models.load_model(t, "float32", "cpu"), models.load_model(d, "float32", "cpu"),
         [tok.eos_token_id],
     )  # fmt: skip

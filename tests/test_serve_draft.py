@@ -154,10 +154,12 @@ def served_acceptance(url: str, prompt: str) -> list[int]:
 def expected_acceptance(cfg, ws, draft_spec: str, prompt: str) -> list[int]:
     """The same request run in this process on a named draft: the served draft's fingerprint."""
     from pipeline import models
+    from pipeline.speculative.arms import parse_arm
+    from pipeline.speculative.batch import generate
 
     pair = models.load_pair(cfg, ws, draft_spec)
     ids = models.user_prompt_ids(pair.tokenizer, prompt, cfg.template_kwargs())
-    return pair.engine.generate(ids, 4, 24).accepted_per_position
+    return generate(pair.models, ids, parse_arm("draft:4"), 24).accepted_per_position
 
 
 def test_serve_with_defaults_serves_the_merged_draft(merged_ws, tmp_path, caplog):

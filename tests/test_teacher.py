@@ -230,7 +230,7 @@ def test_the_local_teacher_gets_the_context_its_longest_prompt_needs(distilled_w
     teacher.max_tokens where that exceeds engine.max_context (the 500-prompt run on the
     embedded default stopped at a 400: 273 + 256 > 512); its config stays eager, full-headed
     and uncaptured."""
-    from pipeline import models
+    from pipeline import models, specs
     from pipeline.config import load_config
     from pipeline.local_teacher import local_context, local_teacher_config
     from pipeline.workspace import Workspace, read_jsonl
@@ -238,7 +238,7 @@ def test_the_local_teacher_gets_the_context_its_longest_prompt_needs(distilled_w
     ws = Workspace(distilled_ws)
     prompts = [r["prompt"] for r in read_jsonl(ws.train_file)[:20]]
     cfg = load_config("configs/ci.yaml", ["engine.max_context=64", "engine.compile=auto"])
-    tok = models.load_tokenizer(models.resolve(cfg.models.target, ws.models_cache))
+    tok = models.load_tokenizer(specs.resolve(cfg.models.target, ws.models_cache))
     longest = max(len(models.user_prompt_ids(tok, p, cfg.template_kwargs())) for p in prompts)
     assert longest + cfg.teacher.max_tokens > 64  # the case that failed
     need = local_context(cfg, ws, prompts)

@@ -33,7 +33,7 @@ def lora_ws(distilled_ws, tmp_path_factory):
 
 
 def test_examples_mask_the_prompt_and_keep_teacher_tokens():
-    from pipeline.models import build_tiny_tokenizer
+    from pipeline.specs import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     answers = [

@@ -16,12 +16,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .. import drafts, models
+from .. import compiling, drafts, models
 from ..artifacts import weights_id
 from ..config import Config
 from ..speculative.arms import parse_arm, usable
-from ..speculative.bandit import Context, GoodputBandit, drafting_seconds, head_rows, per_step
+from ..speculative.bandit import Context
 from ..speculative.batch import RowBatch
+from ..speculative.cost import drafting_seconds, head_rows, per_step
+from ..speculative.goodput import GoodputBandit
 from .policy import Policy, make_policy
 from .request import CoreResult, Mode, Request, parse_mode
 from .scheduler import Job, Scheduler
@@ -52,7 +54,7 @@ class ServingCore:
         target_spec: str | None = None,
         start: bool = True,
     ):
-        """`limit`: the longest prompt + output a row may reach (default: the engine's);
+        """`limit`: the longest prompt + output a row may reach (default: the models' context);
         `draft_info`: what /v1/models says of the draft (drafts.ServedDraft.describe());
         `start=False`: the loop runs on the caller's thread until `scheduler.start()`
         (`Scheduler`: one thread runs the models)."""
@@ -63,15 +65,15 @@ class ServingCore:
         self.draft_id = draft_id
         self.draft_info = draft_info
         self.target_spec = target_spec or model_id
-        self.has_draft = pair.engine.drafter is not None
-        self.has_head = pair.engine.head is not None
+        self.has_draft = pair.models.drafter is not None
+        self.has_head = pair.models.head is not None
         if not all(usable(a, self.has_draft, self.has_head) for a in policy.arms):
             raise ValueError(
                 f"bandit arms {policy.arms} include draft or eagle arms, and there is no draft "
                 "model or head for them"
             )
         self.default_mode = parse_mode(default_mode, policy.arms, self.has_draft, self.has_head)
-        self.scheduler = Scheduler(RowBatch(pair.engine, max_rows, limit), gate=self._gate,
+        self.scheduler = Scheduler(RowBatch(pair.models, max_rows, limit), gate=self._gate,
                                    start=start)  # fmt: skip
         self._labels = {0: draft_id}  # draft epoch -> the draft's label
         self._gate_memo: tuple[int, int, list[int]] | None = None  # (changes, step, caps)
@@ -81,8 +83,9 @@ class ServingCore:
 
     # -- what the server reads --------------------------------------------------------------------
     @property
-    def engine(self):
-        return self.scheduler.batch.engine
+    def models(self):
+        """The models the step loop runs over now (`speculative.loaded.Models`)."""
+        return self.scheduler.batch.models
 
     @property
     def bandit(self):
@@ -98,8 +101,8 @@ class ServingCore:
 
     @property
     def compiled(self) -> bool:
-        """Whether the target's steps run compiled (`models.compile_engine`)."""
-        runner = getattr(self.engine.target, "_phoenix_runner", None)
+        """Whether the target's steps run compiled (`compiling.compile_engine`)."""
+        runner = getattr(self.models.target, "_phoenix_runner", None)
         return runner is not None and runner.compiled
 
     @property
@@ -154,9 +157,9 @@ class ServingCore:
 
     def _gate(self, rows: list) -> list[int]:
         """The scheduler's per-step gate: how many tokens each row may guess at this batch.
-        Judged again when a row joins or leaves, else every `GATE_EVERY` steps: at 16 rows the
-        judgement took 0.56 ms a step, 1.5% of a compiled step (Intel Xeon), to say the same
-        "none" step after step. The caps bound guesses only (each row's own k and budget
+        Judged again when a row joins or leaves, else every `GATE_EVERY` steps (a judgement
+        every step costs about 1% of a step to say the same "none" step after step:
+        docs/measurements.md). The caps bound guesses only (each row's own k and budget
         still apply): a greedy row's output is the target's whatever they are, a sampled row's
         is drawn from the target's distribution (its draws, as ever, depend on what it
         guessed)."""
@@ -174,9 +177,8 @@ class ServingCore:
 
     def calibrate(self, tokens: int = 16) -> None:
         """Before serving: time one short generation alone per arm of the bandit (each K: an
-        EAGLE-3 head's passes grow with K, and a curve timed at eagle:4 alone priced eagle:2 at
-        eagle:4's head, 12.5 ms against 5.4, so the bandit served plain at 2 clients; AMD EPYC)
-        and plain, so the goodput policy prices arms whose acceptance it knows (a bench prior,
+        EAGLE-3 head's passes grow with K, so a curve timed at one K misprices the others) and
+        plain, so the goodput policy prices arms whose acceptance it knows (a bench prior,
         a restored state) without warm-up requests (`RowBatch.calibrate`)."""
         arms = sorted({parse_arm(a) for a in self.policy.arms} | {parse_arm(0)},
                       key=lambda a: (a.k > 0, str(a)))  # fmt: skip
@@ -265,17 +267,19 @@ class ServingCore:
         return req.result(timeout)
 
     def swap_draft(self, pair: models.Pair, draft_id: str, draft_info: dict) -> float:
-        """Serve `pair` (same target, a new draft) from the next step on: running draft rows
+        """Serve `pair` (same target, a new draft; `draft_info`: `ServedDraft.describe()`, whose
+        `head` is the EAGLE-3 head served beside it) from the next step on: running draft rows
         catch up on the new draft (their output stays exact; their rewards are dropped). The draft
-        arms' statistics start over; the drift guard forgets its speculative window. Returns the
+        model's arms' statistics start over, and the head's unless it is the same weights
+        (`Policy.forget_draft_arms`); the drift guard forgets its speculative window. Returns the
         seconds generation paused."""
 
         def swap(batch: RowBatch) -> float:
             t0 = time.perf_counter()
-            batch.set_engine(pair.engine)
+            batch.set_models(pair.models)
             self.pair, self.draft_id, self.draft_info = pair, draft_id, draft_info
             self._labels[batch.epoch] = draft_id
-            self.policy.forget_draft_arms(draft_weights_of(pair))
+            self.policy.forget_draft_arms(*served_weights(pair, (draft_info or {}).get("head")))
             return time.perf_counter() - t0
 
         paused = self.scheduler.call(swap)
@@ -288,11 +292,19 @@ class ServingCore:
         self.policy.save()
 
 
-def draft_weights_of(pair: models.Pair) -> str | None:
-    """The served draft's weights id (its directory's hash; a Hub id or cut spec: the text)."""
+def served_weights(pair: models.Pair, head: str | None = None) -> tuple[str | None, str | None]:
+    """The weights ids of the served draft model and EAGLE-3 head (a directory's hash; a Hub id
+    or cut spec: the text; None: none, or not known). `head`: the head's directory, served
+    beside a draft model (`ServedDraft.head`); a draft that is itself a head is the head."""
     ref = pair.draft_ref
     if ref is None:
-        return None
+        return None, None
+    if pair.models.drafter is None and pair.models.head is not None:  # the draft is a head
+        return None, weights_of(ref)
+    return weights_of(ref), weights_of(head) if head and pair.models.head is not None else None
+
+
+def weights_of(ref: str) -> str:
     return (weights_id(ref) if Path(ref).is_dir() else None) or str(ref)
 
 
@@ -310,7 +322,7 @@ def build_core(
         full_head=full_head,
         head_dir=served.head if served else None,
     )
-    models.compile_engine(cfg, ws, pair)  # before /health says ready: warm, not in a request
+    compiling.compile_engine(cfg, ws, pair)  # before /health says ready: warm, not in a request
     core = make_core(
         cfg,
         pair,
@@ -343,7 +355,8 @@ def make_core(
 ) -> ServingCore:
     """Every serving core (server, local teacher, bench, tests) is built here, its policy from
     the config's `bandit` section. `mode`: the default mode (default `server.mode`);
-    `draft_id`, `draft_info`: the draft's label (tags, metrics) and what /v1/models says of it;
+    `draft_id`, `draft_info`: the draft's label (tags, metrics) and what /v1/models says of it
+    (`ServedDraft.describe()`: its `head`, the head's weights the state file records);
     `max_batch`: rows the loop runs together (default `server.max_batch`); `policy`: another
     `bandit.policy`; `prior`: acceptance for the bandit to start from (`drafts.bench_prior`);
     `start=False`: the loop runs on the caller's thread until `core.scheduler.start()`."""
@@ -351,15 +364,16 @@ def make_core(
     runnable = [
         a
         for a in cfg.bandit.arms
-        if usable(a, pair.engine.drafter is not None, pair.engine.head is not None)
+        if usable(a, pair.models.drafter is not None, pair.models.head is not None)
     ]
     arms = runnable or ["0"]  # fmt: skip
-    weights = draft_weights_of(pair) if state_file is not None else None
+    beside = (draft_info or {}).get("head")  # an EAGLE-3 head beside the draft model, if any
+    draft, head = served_weights(pair, beside) if state_file is not None else (None, None)
+    chooser = make_policy(cfg.bandit, arms, state_file, policy, clock, draft_weights=draft,
+                          prior=prior, head_weights=head)  # fmt: skip
     return ServingCore(
         pair,
-        make_policy(
-            cfg.bandit, arms, state_file, policy, clock, draft_weights=weights, prior=prior
-        ),  # fmt: skip
+        chooser,
         model_id=cfg.models.served_name or cfg.models.target,
         draft_id=draft_id if has_draft else None,
         draft_info=draft_info if has_draft else None,

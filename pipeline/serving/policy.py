@@ -4,7 +4,7 @@ on fake time.
 
 `choose(context)`: the drift guard may hold a bandit request to plain generation (or make it
 probe the best speculative arm after a cool-down); otherwise the bandit chooses
-(`speculative.bandit`, `bandit.policy`). The context carries the batch the request joins: its
+(`bandit.policy`: `speculative.goodput`, `.contextual`, `.bandit`). The context carries the batch the request joins: its
 rows and the step loop's measured step costs.
 
 `reward(...)`: a finished bandit request teaches the bandit its goodput (`CoreResult.goodput`:
@@ -12,10 +12,11 @@ tokens over what it cost the batch; alone, its own tokens/s) and the acceptance 
 position. The drift guard judges the same figure relative to what plain generation would have
 delivered at that load (`plain_rate`), so requests at different loads compare. A reward earned on
 a draft swapped out since is dropped. The state file is written at most every `save_every_s`
-(and at `save()`), never once per request on the scheduler's thread. It records the draft's
-weights id (`artifacts.weights_id`): restored with another draft (a new merge, `server.draft`
-changed), the draft arms' statistics start over, as on a hot swap; n-gram and plain arms keep
-theirs.
+(and at `save()`), never once per request on the scheduler's thread. It records the weights
+ids (`artifacts.weights_id`) of the draft model and of the EAGLE-3 head: restored with other
+weights (a new merge, `server.draft` or `models.head` changed), the arms that run on them start
+over, as on a hot swap, and a bench prior for the new weights applies; n-gram and plain arms
+keep theirs.
 """
 
 from __future__ import annotations
@@ -30,21 +31,18 @@ from pathlib import Path
 
 from ..config import BanditConfig
 from ..speculative.arms import parse_arm
-from ..speculative.bandit import (
-    Context,
-    ContextualBandit,
-    Decision,
-    DriftGuard,
-    EpsilonGreedy,
-    GoodputBandit,
-    StepRow,
-    load_bandit,
-    per_step,
-    save_bandit,
-    step_seconds,
-)
+from ..speculative.bandit import Context, Decision, EpsilonGreedy
+from ..speculative.contextual import ContextualBandit
+from ..speculative.cost import per_step, step_seconds
+from ..speculative.goodput import GoodputBandit, StepRow
+from ..speculative.guard import DriftGuard
+from ..workspace import atomic_write_json
 
 log = logging.getLogger(__name__)
+
+
+def short(weights: str | None) -> str:
+    return (weights or "unrecorded")[:12]
 
 
 def plain_rate(context: Context) -> float | None:
@@ -66,12 +64,15 @@ class Policy:
         draft_weights: str | None = None,
         prior: tuple[dict, str] | None = None,
         prior_rounds: float = 0.0,
+        head_weights: str | None = None,
     ):
-        """`draft_weights`: the served draft's weights id, kept in the state file. `prior`:
+        """`draft_weights`, `head_weights`: the weights ids of the served draft model and
+        EAGLE-3 head (`serving.core.served_weights`), kept in the state file. `prior`:
         (acceptance per strategy, where it is from; `drafts.bench_prior`) for a goodput bandit
         to start from where its state has no figures, weighted as `prior_rounds` rounds."""
         self.bandit = bandit
         self.draft_weights = draft_weights
+        self.head_weights = head_weights
         self.plain_arm = next((a for a in bandit.arms if parse_arm(a).k == 0), None)
         self.guard = guard if self.plain_arm is not None else None
         self.state_file = state_file
@@ -90,21 +91,29 @@ class Policy:
             if self.seeded:
                 log.info("bandit: acceptance of %s from %s", ", ".join(self.seeded), prior[1])
 
+    def _arms_of(self, draft: bool, head: bool) -> list:
+        """The arms that run on the draft model (`draft`) and on the head (`head`)."""
+        arms = [parse_arm(a) for a in self.bandit.arms]
+        return [str(a) for a in arms if (draft and a.needs_draft) or (head and a.needs_head)]
+
     def _check_draft(self, state_file: Path) -> None:
-        """Forget the draft arms if the state measured other draft weights than these."""
+        """Forget the arms of the draft model or of the head whose weights the state measured
+        are not these (a new merge, `server.draft` or `models.head` changed)."""
         try:
-            saved = json.loads(state_file.read_text()).get("draft_weights")
+            saved = json.loads(state_file.read_text())
         except (OSError, ValueError):
             return
-        draft_arms = [a for a in self.bandit.arms if parse_arm(a).needs_draft]
-        if saved == self.draft_weights or not draft_arms:
+        was = (saved.get("draft_weights"), saved.get("head_weights"))
+        stale = self._arms_of(was[0] != self.draft_weights, was[1] != self.head_weights)
+        if not stale:
             return
         log.warning(
-            "bandit state %s measured draft weights %s; this server's draft is %s: the draft "
-            "arms' statistics start over (n-gram and plain arms keep theirs)",
-            state_file, (saved or "unrecorded")[:12], (self.draft_weights or "unknown")[:12],
+            "bandit state %s measured draft weights %s and head %s; this server's are %s and "
+            "%s: the statistics of %s start over",
+            state_file, *(short(w) for w in (*was, self.draft_weights, self.head_weights)),
+            ", ".join(stale),
         )  # fmt: skip
-        self.bandit.forget(draft_arms)
+        self.bandit.forget(stale)
         self._dirty = True
 
     @property
@@ -147,9 +156,8 @@ class Policy:
         `context`); returns the drift guard's event, if any. The guard judges the request's
         goodput against plain's at the load it ran at: `rows`, its mean batch (default the
         context's: what it joined), and `step_cost`, the step loop's measured curve for that
-        many rows now (default the context's). (Judged at the load it joined, a request that
-        arrived alone and then ran beside another read 1.8x plain at 2 clients, and the guard
-        fell back from speculation that paid.)"""
+        many rows now (default the context's): judged at the load it joined, a request that
+        arrived alone and then ran beside others would read far above plain."""
         res = result.result
         reward = result.goodput
         weight = max(res.cost_s or res.latency_s, 1e-6)  # an arm's mean: its tokens over its time
@@ -187,11 +195,15 @@ class Policy:
             )
         return event
 
-    def forget_draft_arms(self, draft_weights: str | None = None) -> None:
-        """A new draft (`draft_weights`: its weights id): the draft arms' statistics start
-        over; the guard forgets its speculative window."""
-        self.draft_weights = draft_weights
-        self.bandit.forget([a for a in self.bandit.arms if parse_arm(a).needs_draft])
+    def forget_draft_arms(
+        self, draft_weights: str | None = None, head_weights: str | None = None
+    ) -> None:
+        """A new draft (`draft_weights`, `head_weights`: the weights ids of its draft model and
+        head): the draft model's arms start over, and the head's unless its weights id is known
+        and unchanged; the guard forgets its speculative window."""
+        same_head = head_weights is not None and head_weights == self.head_weights
+        self.draft_weights, self.head_weights = draft_weights, head_weights
+        self.bandit.forget(self._arms_of(True, not same_head))
         if self.guard is not None:
             self.guard.reset_speculative()
         self._dirty = True
@@ -204,7 +216,8 @@ class Policy:
         if not force and now - self._saved_at < self.save_every_s:
             return
         try:
-            save_bandit(self.bandit, self.state_file, {"draft_weights": self.draft_weights})
+            weights = {"draft_weights": self.draft_weights, "head_weights": self.head_weights}
+            save_bandit(self.bandit, self.state_file, weights)
             self._dirty, self._saved_at = False, now
         except OSError as exc:  # serving goes on; the next save tries again
             log.warning("bandit state %s not saved: %s", self.state_file, exc)
@@ -253,11 +266,34 @@ def make_policy(
     clock: Callable[[], float] = time.monotonic,
     draft_weights: str | None = None,
     prior: tuple[dict, str] | None = None,
+    head_weights: str | None = None,
 ) -> Policy:
-    """The policy per the `bandit` section over these arms (`draft_weights`: the served
-    draft's weights id, checked against the state file's; `prior`: `drafts.bench_prior`'s,
-    weighted per `bandit.bench_prior_rounds`)."""
+    """The policy per the `bandit` section over these arms (`draft_weights`, `head_weights`:
+    the served draft model's and head's weights ids, checked against the state file's;
+    `prior`: `drafts.bench_prior`'s, weighted per `bandit.bench_prior_rounds`)."""
     return Policy(
         make_bandit(b, arms, policy), make_guard(b), state_file, b.save_every_s, clock=clock,
         draft_weights=draft_weights, prior=prior, prior_rounds=b.bench_prior_rounds,
+        head_weights=head_weights,
     )  # fmt: skip
+
+
+def save_bandit(bandit: EpsilonGreedy, path: Path, extra: dict | None = None) -> None:
+    """The bandit's state, plus the caller's `extra` fields (the weights it measured)."""
+    atomic_write_json(path, {**bandit.state(), **(extra or {})})
+
+
+def load_bandit(bandit: EpsilonGreedy, path: Path) -> str:
+    """Restore saved state if any. A corrupt file is set aside (renamed) and reported."""
+    if not path.exists():
+        return "fresh"
+    try:
+        bandit.load_state(json.loads(path.read_text()))
+        return "restored"
+    except (ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
+        aside = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
+        path.rename(aside)
+        log.warning(
+            "bandit state %s is unusable (%s); set aside as %s, starting fresh", path, exc, aside
+        )
+        return "corrupt"

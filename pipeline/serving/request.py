@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from ..speculative.arms import PLAIN, Arm, canonical, parse_arm, usable
 from ..speculative.bandit import Decision
-from ..speculative.engine import GenerationResult
+from ..speculative.row import GenerationResult
 from ..speculative.sampling import GREEDY, Sampling
 
 

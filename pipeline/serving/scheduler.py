@@ -38,7 +38,7 @@ import torch
 
 from ..speculative.arms import Arm
 from ..speculative.batch import Row, RowBatch
-from ..speculative.engine import GenerationResult
+from ..speculative.row import GenerationResult
 from ..speculative.sampling import GREEDY, Sampling
 from .request import Cancelled, Refused
 

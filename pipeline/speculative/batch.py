@@ -1,18 +1,17 @@
-"""Continuous batching for every arm: the rows running together, and one step over all of them.
+"""The step loop: the rows running together, and one step over all of them. Phoenix's one
+engine: the server, the bench, the local teacher and the benchmarks all run through it.
 
 Pure: token ids and models in, ids and counts out; no threads, no clock but `perf_counter` for
 the figures it returns. The serving scheduler (`serving/scheduler.py`) owns one `RowBatch` and
 calls `join`, `step` and `leave` from its one thread.
 
-A row is one request: its prompt, budget and arm (0, draft:K, ngram:K). Rows join between steps
-(`join`: their prompts prefilled, batched among the joiners, into per-row caches, `rows.RowCache`)
-and leave when they finish, are cancelled or fail. One step:
-  1. proposals, each row by its own arm: the rows drafting with the draft model step together,
-     one batched draft pass per draft position (a row drops out once it has its k guesses);
-     n-gram rows by lookup; eagle rows by the EAGLE-3 head, from the target's hidden states
-     that each target pass also returns for them (`target_logits(taps=...)`); plain rows none;
+A row (`row.Row`) is one request: its prompt, budget and arm (0, draft:K, ngram:K, eagle:K).
+Rows join between steps (`join`: their prompts prefilled, batched among the joiners, into
+per-row caches, `rows.RowCache`) and leave when they finish, are cancelled or fail. One step:
+  1. proposals: each row's proposer (`propose/`, by its arm's strategy) guesses up to the
+     row's k_eff tokens, the rows of one proposer together; plain rows guess none;
   2. one target pass over every row's `[last, d1..dk]` (ragged: each row its own length, 0
-     guesses included);
+     guesses included), which also returns the target states a proposer reads (`taps`);
   3. each row's acceptance and its own cache rollback. A greedy row (temperature 0) keeps the
      longest prefix the target agrees with, plus the target's own next token: every committed
      token is the target's greedy choice, so its output is its target-only greedy output,
@@ -22,246 +21,68 @@ and leave when they finish, are cancelled or fail. One step:
 A row asking for logprobs gets, per committed token, the target's log-probability and its top
 alternatives, from the same pass (`sampling.top_logprobs`).
 
-Cost: a step is timed whole (proposals, target pass, acceptance and rollback), less its draft
-passes, timed apart, and the caller's per-token callbacks (text work every arm pays per token
-committed): `StepCost` against tokens fed (the target pass alone misses the per-token work
-around it). The step's time is split among its rows (time = a + b * tokens fed, fitted online;
-a row's share = a / rows + b * its tokens, scaled so the shares sum to the step). A draft pass
-is split equally among the rows it drafted for. A row's `cost_s` is its prefill plus
-its shares: `tokens / cost_s` is what its arm cost the batch (the policy's reward, goodput).
-With one row the share is the whole step: tokens/s as a lone request sees them. What the
-policy predicts with is `StepCost.curve()`: the measured time per step size.
+Cost: a step is timed whole (proposals, target pass, acceptance and rollback), less the
+proposals priced apart (a draft model's and a head's passes, each timed against the rows it
+drafted for in its own `StepCost`) and the caller's per-token callbacks: `cost` against tokens
+fed. The step's time is split among its rows (time = a + b * tokens fed, fitted online; a row's
+share = a / rows + b * its tokens, scaled so the shares sum to the step). A row's `cost_s` is
+its prefill plus its shares plus its proposals: `tokens / cost_s` is what its arm cost the batch
+(the policy's reward, goodput); with one row the share is the whole step.
 """
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
 from .arms import Arm
-from .bandit import step_seconds
-from .eagle3 import HeadCache
-from .engine import GenerationResult, SpeculativeEngine
-from .proposers import NgramProposer
-from .rows import RowCache, draft_scores, prefill, split_rows, target_logits
+from .cost import StepCost
+from .loaded import Models
+from .propose import Proposer
+from .propose.draft_model import DraftModelProposer
+from .propose.eagle import EagleProposer
+from .propose.ngram import NgramProposer
+from .row import GenerationResult, Row
+from .rows import RowCache, prefill, split_rows, target_logits
 from .runner import prepare
-from .sampling import (
-    GREEDY,
-    Sampling,
-    draw,
-    greedy_ids,
-    probabilities_of,
-    top_logprobs,
-    verify,
-)
-
-
-class StepCost:
-    """A step's time against its size `n` (tokens fed, or rows drafted for). Pure.
-
-    Two readings of the same steps: `curve()`, an exponentially weighted mean (n, seconds) per
-    size bucket (`BUCKETS`), which the policy reads as a piecewise-linear curve (on a CPU a
-    pass costs about the same from 1 to a few tokens, then grows with every token: one line
-    through both regimes is wrong at both ends); and `coefficients()`, a least-squares line
-    a + b * n over every step, which splits a step among its rows (`shares`).
-
-    `curve(rows)`: the same, for steps of that many rows (bucketed). A step's time is not a
-    function of tokens fed alone: measured on the embedded default (Intel Xeon, bf16,
-    `benchmarks/loop_arms.py --grid`), 19.6 tokens cost 42 ms as 4 rows that all guess and
-    50 ms as 16 rows of which one guesses (attention lays every row out to the longest feed),
-    and one curve over every load priced one guessing row beside 15 plain ones at the cheap
-    figure. Past the largest size measured at that many rows, the curve goes on with the
-    all-rows curve's increments: an optimistic guess, so a load where nobody guessed yet is
-    tried, measured, and from then on priced by what it measured. Below the smallest, in
-    proportion to the all-rows curve (a pessimistic guess for guessing: plain is priced lower,
-    so a load measured only guessing is tried plain, and measured; in proportion, so it never
-    reaches 0). (Held flat below the smallest, a batch of 4 rows measured only guessing, 12
-    tokens at 146 ms, priced its plain 4-token step at the same 146 ms where it took 84, and
-    the gate predicted guessing 1.49x plain where it read 0.88-0.94x; AMD EPYC, AVX2,
-    float32.)"""
-
-    BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-    BUCKET_DECAY = 0.9  # a bucket follows its own recent steps (the machine's load changes)
-
-    def __init__(self, a: float = 1.0, b: float = 0.0, decay: float = 0.995):
-        self.prior = (a, b)
-        self.decay = decay
-        self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
-        self.buckets: dict[int, list[float]] = {}  # bucket -> [weight, weight * n, weight * s]
-        self.by_rows: dict[int, dict[int, list[float]]] = {}  # rows bucket -> the same
-
-    @classmethod
-    def bucket(cls, n: float) -> int:
-        return cls.BUCKETS[max(0, bisect.bisect_right(cls.BUCKETS, n) - 1)]  # the last: open
-
-    def observe(self, n: int, seconds: float, rows: int | None = None) -> None:
-        d = self.decay
-        self.sw = d * self.sw + 1
-        self.sx = d * self.sx + n
-        self.sy = d * self.sy + seconds
-        self.sxx = d * self.sxx + n * n
-        self.sxy = d * self.sxy + n * seconds
-        keys = [(self.buckets, self.bucket(n))]
-        if rows is not None:  # by exact size up to 64: a row's few guesses are a point apart
-            table = self.by_rows.setdefault(self.bucket(rows), {})
-            keys.append((table, int(n) if n <= 64 else self.bucket(n)))
-        k = self.BUCKET_DECAY
-        for table, key in keys:
-            w = table.setdefault(key, [0.0, 0.0, 0.0])
-            w[0], w[1], w[2] = k * w[0] + 1, k * w[1] + n, k * w[2] + seconds
-
-    @property
-    def seen(self) -> bool:
-        return self.sw > 0
-
-    @staticmethod
-    def _points(table: dict[int, list[float]]) -> tuple[tuple[float, float], ...]:
-        """Each bucket's weighted means, made non-decreasing in n by pooling adjacent
-        violators (weighted by their steps): a pass of more tokens never costs less, and one
-        slow step at a size seen once (a 63 ms 7-token point between 46-47 ms 6- and 8-token
-        ones, at 2 rows on the AMD EPYC) would otherwise price a guess as if it did."""
-        points = [(w[1] / w[0], w[2] / w[0], w[0]) for _, w in sorted(table.items())]
-        blocks: list[list[float]] = []  # [mean seconds, weight, points pooled]
-        for _, y, w in points:
-            blocks.append([y, w, 1])
-            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-                y2, w2, c2 = blocks.pop()
-                b = blocks[-1]
-                b[0], b[1], b[2] = (b[0] * b[1] + y2 * w2) / (b[1] + w2), b[1] + w2, b[2] + c2
-        pooled = [b[0] for b in blocks for _ in range(int(b[2]))]
-        return tuple((x, y) for (x, _, _), y in zip(points, pooled, strict=True))
-
-    def curve(self, rows: int | None = None) -> tuple[tuple[float, float], ...]:
-        """The measured (n, seconds) points, ascending in n: each bucket's weighted means; with
-        `rows`, those of steps of that many rows, continued below the smallest and past the
-        largest by the all-rows curve (class docstring). No steps of that many rows:
-        the all-rows curve."""
-        every = self._points(self.buckets)
-        own = self._points(self.by_rows.get(self.bucket(rows), {})) if rows else ()
-        if not own:
-            return every
-        (x0, y0), (x1, y1) = own[0], own[-1]
-        low, high = step_seconds(every, x0), step_seconds(every, x1)
-        below = [(x, y0 * min(1.0, step_seconds(every, x) / low) if low > 0 else y0)
-                 for x, _ in every if x < x0]  # fmt: skip
-        beyond = [(x, y1 + max(0.0, step_seconds(every, x) - high)) for x, _ in every if x > x1]
-        return tuple(below) + own + tuple(beyond)
-
-    def coefficients(self) -> tuple[float, float]:
-        """(a, b). Until the steps seen vary in size: their mean time as a, b = 0."""
-        var = self.sw * self.sxx - self.sx * self.sx
-        if self.sw >= 4 and var > 1e-9 * max(1.0, self.sw * self.sxx):
-            b = (self.sw * self.sxy - self.sx * self.sy) / var
-            a = (self.sy - b * self.sx) / self.sw
-            if a > 0 and b >= 0:
-                return a, b
-        return (self.sy / self.sw, 0.0) if self.sw > 0 else self.prior
-
-    def shares(self, fed: Sequence[int]) -> list[float]:
-        """Each row's fraction of a step that fed these token counts (they sum to 1)."""
-        a, b = self.coefficients()
-        n = len(fed)
-        parts = [a / n + b * f for f in fed]
-        total = sum(parts)
-        return [p / total for p in parts] if total > 0 else [1 / n] * n
-
-
-@dataclass(eq=False)
-class Row:
-    """One request in the batch: what it asked for, where its caches are, what it has done."""
-
-    key: object  # the caller's handle, returned with the row
-    prompt: list[int]
-    max_tokens: int
-    arm: Arm
-    epoch: int  # the batch's draft epoch when it joined
-    start: float
-    tslot: int
-    dslot: int | None = None
-    ngram: NgramProposer | None = None
-    hcache: HeadCache | None = None  # an eagle row's head cache
-    aux_new: list = field(default_factory=list)  # target states of committed positions unread
-    sampling: Sampling = GREEDY
-    gen: object = None  # the row's torch.Generator (sampled rows)
-    q: list = field(default_factory=list)  # the draft's distribution for each guess (sampled)
-    logprobs: list | None = None  # per token: (logprob, [(token, logprob), ...])
-    seq: list[int] = field(default_factory=list)  # prompt + committed output
-    out: list[int] = field(default_factory=list)
-    drafts: list[int] = field(default_factory=list)
-    k_eff: int = 0
-    proposed: int = 0
-    accepted: int = 0
-    rounds: int = 0
-    guess_rounds: int = 0  # steps it was let guess (k_eff > 0)
-    adaptive: bool = False  # its guesses are gated per step by the batch (`step`'s gate)
-    eligible_pos: list[int] = field(default_factory=list)  # steps it could guess at each position
-    proposed_pos: list[int] = field(default_factory=list)
-    accepted_pos: list[int] = field(default_factory=list)
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    cost_s: float = 0.0
-    first_s: float | None = None
-    rows_seen: int = 0  # the sum, over its steps, of the rows in the step (its mean batch size)
-
-    def result(self, reason: str, queued_s: float = 0.0) -> GenerationResult:
-        return GenerationResult(
-            token_ids=self.out,
-            arm=str(self.arm),
-            finish_reason=reason,
-            latency_s=time.perf_counter() - self.start,
-            draft_s=self.draft_s,
-            verify_s=self.verify_s,
-            prompt_tokens=len(self.prompt),
-            proposed=self.proposed,
-            accepted=self.accepted,
-            rounds=self.rounds,
-            eligible_per_position=self.eligible_pos,
-            proposed_per_position=self.proposed_pos,
-            accepted_per_position=self.accepted_pos,
-            guess_rounds=self.guess_rounds,
-            first_token_s=self.first_s,
-            cost_s=self.cost_s,
-            queued_s=queued_s,
-            batch_rows=self.rows_seen / self.rounds if self.rounds else 1.0,
-            logprobs=self.logprobs,
-        )
+from .sampling import GREEDY, Sampling, greedy_ids, probabilities_of, top_logprobs, verify
 
 
 class RowBatch:
-    """The rows running together over one engine's models (module docstring). At most
+    """The rows running together over one set of models (module docstring). At most
     `max_rows` rows, each at most `limit` tokens of prompt + output (default: the models'
-    context, else 4096: the caches grow to it); not thread-safe (one caller: the scheduler)."""
+    context, else 4096: the caches grow to it); not thread-safe (one caller: the scheduler).
+    `lean`: run Llama-family models through their lean runner (`runner.py`); False:
+    transformers' own forward for every model (the same output)."""
 
-    def __init__(
-        self, engine: SpeculativeEngine, max_rows: int = 16, limit: int | None = None,
-        lean: bool = True,
-    ):  # fmt: skip
-        """`lean`: run Llama-family models through their lean runner (`runner.py`); False:
-        transformers' own forward for every model (the same output)."""
-        self.engine = engine
+    def __init__(self, models: Models, max_rows: int = 16, limit: int | None = None,
+                 lean: bool = True):  # fmt: skip
+        self.models = models
         self.lean = lean
         self.max_rows = max(1, max_rows)
-        model_limit = engine.max_context or 4096
+        model_limit = models.max_context or 4096
         self.limit = min(limit, model_limit) if limit else model_limit
         self.cost = StepCost()  # the target pass: time against tokens fed
         self.draft_cost = StepCost()  # one draft pass: time against rows drafted for
         self.head_cost = StepCost()  # one head pass (a read, or a guess): time against its rows
         self.rows: list[Row] = []
-        self.epoch = 0  # bumped by each `set_engine` (a new draft)
+        self.epoch = 0  # bumped by each `set_models` (a new draft)
         self.steps = 0
         self.changes = 0  # bumped by every join and leave: the rows' set (`ServingCore._gate`)
         self.max_rows_seen = 0
         self._tcache: RowCache | None = None
-        self._dcache: RowCache | None = None
-        self._vocab: int | None = None  # the target's vocabulary (sampled draft rows)
+        self._proposers: dict[str, Proposer] = {}
 
     @property
     def room(self) -> int:
         return self.max_rows - len(self.rows)
+
+    @property
+    def vocab(self) -> int:
+        return self.models.target.get_output_embeddings().weight.shape[0]
 
     def check(self, prompt: Sequence[int], max_tokens: int, arm: Arm) -> None:
         """Refuse a request that cannot join (alone, before it joins): ValueError naming why."""
@@ -271,43 +92,62 @@ class RowBatch:
             raise ValueError("max_tokens must be >= 1")
         if len(prompt) >= self.limit:
             raise ValueError(f"prompt of {len(prompt)} tokens fills the {self.limit}-token context")
-        if arm.needs_draft and self.engine.drafter is None:
+        if arm.needs_draft and self.models.drafter is None:
             raise ValueError(f"arm {arm} needs a draft model; this engine has none")
-        if arm.needs_head and self.engine.head is None:
+        if arm.needs_head and self.models.head is None:
             raise ValueError(f"arm {arm} needs an EAGLE-3 head; this engine has none")
 
-    def _caches(self) -> tuple[RowCache, RowCache | None]:
+    def _cache(self) -> RowCache:
         if self._tcache is None:
-            prepare(self.engine.target, self.limit, self.lean)
-            self._tcache = RowCache(self.engine.target, self.max_rows, self.limit)
-        if self._dcache is None and self.engine.drafter is not None:
-            prepare(self.engine.drafter.model, self.limit, self.lean)
-            self._dcache = RowCache(self.engine.drafter.model, self.max_rows, self.limit)
-        return self._tcache, self._dcache
+            prepare(self.models.target, self.limit, self.lean)
+            self._tcache = RowCache(self.models.target, self.max_rows, self.limit)
+        return self._tcache
 
-    def set_engine(self, engine: SpeculativeEngine) -> None:
-        """A new draft over the same target, from the next step on: its cache starts empty and
-        every draft row catches up on its next proposal (its output stays exact). A new EAGLE-3
-        head: the eagle rows running stop guessing (the states they fed the old head are gone;
-        they finish plain, exact), new ones use it."""
-        if engine.target is not self.engine.target:
-            raise ValueError("set_engine: another target (only the draft may change)")
-        if engine.head is not self.engine.head:
-            for r in self.rows:
-                r.hcache, r.aux_new = None, []
-        self.engine = engine
+    def _proposer(self, strategy: str) -> Proposer | None:
+        """The proposer of a strategy over these models, made on first use (None: the models
+        have nothing it needs)."""
+        p = self._proposers.get(strategy)
+        if p is None:
+            m = self.models
+            if strategy == "ngram":
+                p = NgramProposer()
+            elif strategy == "draft" and m.drafter is not None:
+                p = DraftModelProposer(m.drafter, self.max_rows, self.limit, self.vocab,
+                                       self.draft_cost, self.lean)  # fmt: skip
+            elif strategy == "eagle" and m.head is not None:
+                p = EagleProposer(m.head, self.vocab, self.head_cost)
+            if p is not None:
+                self._proposers[strategy] = p
+        return p
+
+    def set_models(self, models: Models) -> None:
+        """A new draft (or head) over the same target, from the next step on. The draft rows
+        running move to the new draft, whose cache starts empty: each catches up on its next
+        proposal (its output stays exact). A new EAGLE-3 head: the eagle rows running stop
+        guessing (the states they fed the old head are gone; they finish plain, exact), new
+        ones use it."""
+        if models.target is not self.models.target:
+            raise ValueError("set_models: another target (only the draft may change)")
+        kept = {k: p for k, p in self._proposers.items()
+                if k == "ngram" or (k == "eagle" and p.head is models.head)}  # fmt: skip
+        self.models, self._proposers = models, kept
         self.epoch += 1
-        self._dcache = None
-        _, dc = self._caches()
         for r in self.rows:
-            if r.dslot is not None:
-                r.dslot = dc.alloc() if dc is not None else None
+            if r.proposer is not None and r.arm.needs_head and r.proposer is not kept.get("eagle"):
+                r.proposer.leave(r)
+                r.proposer = None
+        draft_rows = [r for r in self.rows if r.proposer is not None and r.arm.needs_draft]
+        new = self._proposer("draft")
+        for r in draft_rows:
+            r.proposer, r.dslot = new, None
+        if new is not None:
+            new.adopt(draft_rows)
 
     def reset(self) -> list[Row]:
-        """Drop every row and both caches (after a step failed); returns the rows dropped."""
+        """Drop every row and every cache (after a step failed); returns the rows dropped."""
         rows, self.rows = self.rows, []
         self.changes += 1
-        self._tcache = self._dcache = None
+        self._tcache, self._proposers = None, {}
         return rows
 
     def join(
@@ -317,88 +157,77 @@ class RowBatch:
             | tuple[object, Sequence[int], int, Arm, Sampling]
         ],
     ) -> list[Row]:
-        """Add rows `(key, prompt, max_tokens, arm[, sampling])` (at most `room`; each `check`ed first;
-        sampling default greedy):
-        their prompts prefilled, one batched pass per model. If the prefill fails, the joiners
-        are released and the error raised; the rows already running are untouched."""
+        """Add rows `(key, prompt, max_tokens, arm[, sampling])` (at most `room`; each `check`ed
+        first; sampling default greedy): their prompts prefilled, one batched pass per model.
+        If the prefill fails, the joiners are released and the error raised; the rows already
+        running are untouched."""
         if len(items) > self.room:
             raise ValueError(f"{len(items)} rows do not fit: {self.room} free of {self.max_rows}")
-        tc, dc = self._caches()
+        tc = self._cache()
         now = time.perf_counter()
-        joined = []
-        for key, prompt, max_tokens, arm, *rest in items:
-            sampling = rest[0] if rest else GREEDY
-            drafting = arm.needs_draft and dc is not None
-            joined.append(
-                Row(
-                    key=key,
-                    prompt=list(prompt),
-                    max_tokens=max_tokens,
-                    arm=arm,
-                    epoch=self.epoch,
-                    start=now,
-                    tslot=tc.alloc(),
-                    dslot=dc.alloc() if drafting else None,
-                    ngram=NgramProposer() if arm.strategy == "ngram" and arm.k > 0 else None,
-                    hcache=HeadCache() if arm.needs_head and self.engine.head else None,
-                    sampling=sampling,
-                    gen=sampling.generator(),
-                    logprobs=[] if sampling.logprobs is not None else None,
-                    seq=list(prompt),
-                    eligible_pos=[0] * arm.k,
-                    proposed_pos=[0] * arm.k,
-                    accepted_pos=[0] * arm.k,
-                )
-            )
+        joined = [self._new_row(tc, now, *item) for item in items]
         self.rows += joined
         self.changes += 1
-        pad = self.engine.pad_token_id
-        drafting = [r for r in joined if r.dslot is not None]
-        taps = self._taps(joined)
         try:
-            t0 = time.perf_counter()
-            fed = prefill(self.engine.target, tc, [r.tslot for r in joined],
-                          [r.seq[:-1] for r in joined], pad, taps)  # fmt: skip
-            if taps:  # the eagle rows keep their prompt's target states for the head
-                with_feed = [r for r in joined if len(r.seq) > 1]
-                parts = fed[1].split([len(r.seq) - 1 for r in with_feed])
-                for r, part in zip(with_feed, parts, strict=True):
-                    if r.hcache is not None:
-                        r.aux_new.append(part)
-            t1 = time.perf_counter()
-            if drafting:
-                prefill(self.engine.drafter.model, dc, [r.dslot for r in drafting],
-                        [r.seq[:-1] for r in drafting], pad)  # fmt: skip
-            t2 = time.perf_counter()
+            states = self._prefill(tc, joined)
+            for p in {id(r.proposer): r.proposer for r in joined if r.proposer}.values():
+                mine = [(r, s) for r, s in zip(joined, states, strict=True) if r.proposer is p]
+                seconds = p.join([r for r, _ in mine], [s for _, s in mine])
+                for r, _ in mine if seconds else ():  # an equal share of its own prefill each
+                    r.charge(seconds / len(mine), drafting=True)
         except Exception:
             for r in joined:
                 self.leave(r)
             raise
-        sizes = [max(1, len(r.seq) - 1) for r in joined]
-        for r, n in zip(joined, sizes, strict=True):  # each joiner pays for its own prompt
-            r.verify_s += (t1 - t0) * n / sum(sizes)
-            r.cost_s += (t1 - t0) * n / sum(sizes)
-        for r in drafting:
-            r.draft_s += (t2 - t1) / len(drafting)
-            r.cost_s += (t2 - t1) / len(drafting)
         self.max_rows_seen = max(self.max_rows_seen, len(self.rows))
         return joined
 
+    def _new_row(self, tc: RowCache, now: float, key, prompt, max_tokens, arm: Arm,
+                 sampling: Sampling = GREEDY) -> Row:  # fmt: skip
+        return Row(
+            key=key, prompt=list(prompt), max_tokens=max_tokens, arm=arm, epoch=self.epoch,
+            start=now, tslot=tc.alloc(), seq=list(prompt),
+            proposer=self._proposer(arm.strategy) if arm.k > 0 else None,
+            sampling=sampling, gen=sampling.generator(),
+            logprobs=[] if sampling.logprobs is not None else None,
+            eligible_pos=[0] * arm.k, proposed_pos=[0] * arm.k, accepted_pos=[0] * arm.k,
+        )  # fmt: skip
+
+    def _prefill(self, tc: RowCache, joined: list[Row]) -> list[torch.Tensor | None]:
+        """The joiners' prompts (all but the last token) into the target's cache, each charged
+        for its own; returns each joiner's target states at its prompt positions where its
+        proposer reads them (`taps`), else None."""
+        taps = self._taps(joined)
+        t0 = time.perf_counter()
+        fed = prefill(self.models.target, tc, [r.tslot for r in joined],
+                      [r.seq[:-1] for r in joined], taps)  # fmt: skip
+        dt = time.perf_counter() - t0
+        sizes = [max(1, len(r.seq) - 1) for r in joined]
+        for r, n in zip(joined, sizes, strict=True):
+            r.charge(dt * n / sum(sizes))
+        states: list[torch.Tensor | None] = [None] * len(joined)
+        if taps and fed is not None:  # fed is None when every prompt was one token
+            with_feed = [i for i, r in enumerate(joined) if len(r.seq) > 1]
+            parts = fed[1].split([len(joined[i].seq) - 1 for i in with_feed])
+            for i, part in zip(with_feed, parts, strict=True):
+                if joined[i].proposer is not None and joined[i].proposer.taps:
+                    states[i] = part
+        return states
+
     def _taps(self, rows: list[Row]) -> tuple[int, ...]:
-        """The target layers to read in a pass over `rows`: the head's, if one is an eagle row."""
-        head = self.engine.head
-        return head.config.aux_layer_ids if head and any(r.hcache for r in rows) else ()
+        """The target layers to read in a pass over `rows`: those their proposers read."""
+        for r in rows:
+            if r.proposer is not None and r.proposer.taps:
+                return r.proposer.taps
+        return ()
 
     def leave(self, row: Row) -> None:
         """Take a row out (finished, cancelled): its slots freed, the last rows moved in."""
-        tc, dc = self._caches()
-        moved = tc.release(row.tslot)
+        moved = self._cache().release(row.tslot)
         if moved is not None:
             next(r for r in self.rows if r.tslot == moved).tslot = row.tslot
-        if row.dslot is not None and dc is not None:
-            moved = dc.release(row.dslot)
-            if moved is not None:
-                next(r for r in self.rows if r.dslot == moved).dslot = row.dslot
+        if row.proposer is not None:
+            row.proposer.leave(row)
         self.rows.remove(row)
         self.changes += 1
         # Rows in slot order: a pass over all of them reads the cache as a view (`RowCache.plan`,
@@ -428,90 +257,30 @@ class RowBatch:
         allow); it binds the `adaptive` rows only (a bandit's choice, where a fixed arm is the
         caller's): a row capped at 0 runs this step as a plain row.
         Returns `(row, finish_reason)` for the rows that finished ("stop": end-of-turn or
-        `on_tokens`; "length": budget or context), which have left the batch. After an exception the caller fails every row (`reset`)."""
+        `on_tokens`; "length": budget or context), which have left the batch. After an
+        exception the caller fails every row (`reset`)."""
         t0 = time.perf_counter()
         rows = list(self.rows)
-        for r in rows:
-            k = min(r.arm.k, r.max_tokens - len(r.out) - 1, self.limit - len(r.seq) - 1)
-            r.k_eff, r.drafts, r.q = max(0, k), [], []
-        if gate is not None and any(r.adaptive and r.k_eff > 0 for r in rows):
-            for r, cap in zip(rows, gate(rows), strict=True):
-                if r.adaptive:
-                    r.k_eff = max(0, min(r.k_eff, int(cap)))
-        for r in rows:
-            r.guess_rounds += r.k_eff > 0
-            for i in range(r.k_eff):
-                r.eligible_pos[i] += 1
-        # 1. proposals
-        for r in rows:
-            if r.ngram is not None and r.k_eff > 0:
-                r.drafts = r.ngram.propose(r.seq, r.k_eff)[: r.k_eff]
-        drafting_s = self._draft([r for r in rows if r.dslot is not None and r.k_eff > 0])
-        drafting_s += self._eagle([r for r in rows if r.hcache is not None and r.k_eff > 0])
-        # 2. one target pass over every row
-        tc, dc = self._caches()
+        self._limit(rows, gate)
+        drafting_s = self._propose(rows)
         feeds = [[r.seq[-1], *r.drafts] for r in rows]
-        taps = self._taps(rows)
         t1 = time.perf_counter()
-        logits = target_logits(self.engine.target, tc, [r.tslot for r in rows], feeds, taps)
-        if taps:
-            logits, tapped = logits
-            tapped = tapped.split([len(f) for f in feeds])
+        logits, tapped = self._verify(rows, feeds)
         preds = split_rows(greedy_ids(logits).tolist(), feeds)
         t2 = time.perf_counter()
         fed = [len(f) for f in feeds]
         shares = self.cost.shares(fed)
         self.steps += 1
-        # 3. acceptance and rollback, row by row
-        eos = self.engine.eos_token_ids
-        finished = []
-        pass_s = t2 - t1
-        mine = logits.split([len(p) for p in preds])  # each row's scores, one per fed token
-        sampled = [i for i, r in enumerate(rows) if not r.sampling.greedy]
-        probs = dict(zip(sampled, probabilities_of([mine[i] for i in sampled],
-                                                   [rows[i].sampling for i in sampled]),
-                         strict=True))  # fmt: skip
-        shared = (time.perf_counter() - t2) / max(1, len(sampled))
-        callbacks_s, owns = 0.0, []
-        for j, (r, p, share) in enumerate(zip(rows, preds, shares, strict=True)):
+        mine = logits.split(fed)  # each row's scores, one per fed token
+        probs, shared = self._probabilities(rows, mine)
+        finished, owns, callbacks_s = [], [], 0.0
+        for j, r in enumerate(rows):
             r0 = time.perf_counter()
-            d = r.drafts
-            if r.sampling.greedy:
-                m = 0
-                while m < len(d) and d[m] == p[m]:
-                    m += 1
-                new = d[:m] + [p[m]]
-            else:
-                q = torch.stack(r.q) if r.q else None
-                m, nxt = verify(d, q, probs[j], r.gen)
-                new = d[:m] + [nxt]
-            if r.logprobs is not None:
-                r.logprobs += top_logprobs(mine[j][: len(new)], new, r.sampling.logprobs)
-            # Its own draws and logprobs (a greedy row: ~0).
+            new, hit_eos = self._commit(r, preds[j], mine[j], probs.get(j), tapped[j])
             own = time.perf_counter() - r0 + (0.0 if r.sampling.greedy else shared)
-            owns.append(own)
-            r.verify_s += pass_s * share + own
+            owns.append(own)  # its own draws and logprobs (a greedy row: ~0)
+            r.verify_s += (t2 - t1) * shares[j] + own  # its cost_s: below, with the rest
             r.rows_seen += len(rows)
-            r.rounds += 1
-            r.proposed += len(d)
-            r.accepted += m
-            for i in range(len(d)):
-                r.proposed_pos[i] += 1
-                r.accepted_pos[i] += i < m
-            tc.crop(r.tslot, len(r.seq) + m)
-            if r.hcache is not None:  # the states of what it committed: last + accepted
-                r.aux_new.append(tapped[j][: m + 1])
-            if r.dslot is not None and dc is not None:
-                dc.crop(r.dslot, len(r.seq) + m)
-            hit_eos = False
-            for i, tok in enumerate(new):
-                if tok in eos:
-                    new, hit_eos = new[:i], True
-                    if r.logprobs is not None:
-                        del r.logprobs[len(r.out) + i :]
-                    break
-            r.seq += new
-            r.out += new
             if r.first_s is None:
                 r.first_s = t2 - r.start
             c0 = time.perf_counter()
@@ -523,8 +292,8 @@ class RowBatch:
                 finished.append((r, "length"))
         for r, _ in finished:
             self.leave(r)
-        # The whole step but the draft passes (priced apart) and the caller's callbacks (text
-        # work per committed token, whatever the arm): what a token fed costs every row.
+        # The whole step but the proposals priced apart and the caller's callbacks (text work
+        # per committed token, whatever the arm): what a token fed costs every row.
         step_s = time.perf_counter() - t0 - drafting_s - callbacks_s
         self.cost.observe(sum(fed), step_s, len(rows))
         rest = max(0.0, step_s - sum(owns))
@@ -532,123 +301,117 @@ class RowBatch:
             r.cost_s += rest * share + own
         return finished
 
-    def _draft(self, rows: list[Row]) -> float:
-        """The draft model's guesses for `rows`: one batched pass per draft position, each row
-        until it has its own k_eff guesses (the first pass also catches each row up on what
-        was committed since its last turn). Returns the seconds it took."""
-        if not rows:
-            return 0.0
-        start = time.perf_counter()
-        rows = sorted(rows, key=lambda r: r.dslot)  # slot order: the draft cache read as a view
-        _, dc = self._caches()
-        drafter = self.engine.drafter
-        head, ids = drafter.step.args
-        active = rows
-        feeds = [r.seq[dc.lengths[r.dslot] :] for r in rows]
-        i = 0
-        while active:
+    def _limit(self, rows: list[Row], gate) -> None:
+        """Each row's k_eff this step: its arm's k within its budget and the context, capped
+        for the adaptive rows by `gate`; the positions it could guess at are counted."""
+        for r in rows:
+            k = min(r.arm.k, r.max_tokens - len(r.out) - 1, self.limit - len(r.seq) - 1)
+            r.k_eff, r.drafts, r.q = max(0, k) if r.proposer is not None else 0, [], []
+        if gate is not None and any(r.adaptive and r.k_eff > 0 for r in rows):
+            for r, cap in zip(rows, gate(rows), strict=True):
+                if r.adaptive:
+                    r.k_eff = max(0, min(r.k_eff, int(cap)))
+        for r in rows:
+            r.guess_rounds += r.k_eff > 0
+            for i in range(r.k_eff):
+                r.eligible_pos[i] += 1
+
+    def _propose(self, rows: list[Row]) -> float:
+        """Every guessing row's drafts, its proposer's rows together; returns the seconds of
+        the proposals priced apart (charged to their rows as drafting)."""
+        groups: dict[int, list[Row]] = {}
+        for r in rows:
+            if r.k_eff > 0:
+                groups.setdefault(id(r.proposer), []).append(r)
+        drafting_s = 0.0
+        for group in groups.values():
             t0 = time.perf_counter()
-            scores = draft_scores(drafter.model, dc, [r.dslot for r in active], feeds, head)
-            best = greedy_ids(scores)
-            toks = (best if ids is None else ids[best]).tolist()
-            dt = time.perf_counter() - t0
-            if i > 0 or all(_steady(r, len(f)) for r, f in zip(active, feeds, strict=True)):
-                self.draft_cost.observe(len(active), dt)
-            # A sampled row draws its guess from the draft's distribution, kept for verify.
-            r0 = time.perf_counter()
-            sampled = [j for j, r in enumerate(active) if not r.sampling.greedy]
-            qs = probabilities_of(
-                [scores[j] for j in sampled], [active[j].sampling for j in sampled]
-            )
-            for j, q in zip(sampled, qs, strict=True):
-                r = active[j]
-                pick = draw(q, r.gen)
-                toks[j] = pick if ids is None else int(ids[pick])
-                r.q.append(self._full(q, ids))
-            shared = (time.perf_counter() - r0) / max(1, len(sampled))
-            for j, r in enumerate(active):
-                own = 0.0 if r.sampling.greedy else shared
-                r.drafts.append(toks[j])
-                r.draft_s += dt / len(active) + own
-                r.cost_s += dt / len(active) + own
-            i += 1
-            active = [r for r in active if r.k_eff > i]
-            feeds = [[r.drafts[-1]] for r in active]
-        return time.perf_counter() - start
+            d = group[0].proposer.propose(group)
+            for i, r in enumerate(group):
+                r.drafts, r.q = d.tokens[i][: r.k_eff], d.q[i]
+                if d.seconds is not None:
+                    r.charge(d.seconds[i], drafting=True)
+            if d.seconds is not None:
+                drafting_s += time.perf_counter() - t0
+        return drafting_s
 
-    def _eagle(self, rows: list[Row]) -> float:
-        """The EAGLE-3 head's guesses for `rows`: each reads the target states of what it
-        committed since its last turn, then all draft their k_eff tokens together, one head
-        pass per position (`Eagle3Head.draft_many`), greedy or drawn (a sampled row keeps each
-        guess's distribution, over the target's vocabulary, for verify). Each row is charged an
-        equal share of the time. `head_cost` times each pass against its rows, as `draft_cost`
-        does: the rows' reads of their states are one pass over them all, then each shared pass
-        (what a row adds to the head is the growth of the passes it is in; priced as an equal
-        share, a guessing row beside another paid more than it added, and a plain row beside
-        one guessing less than that neighbour's whole head costs every row of the step).
-        Returns the seconds."""
-        rows = [r for r in rows if r.aux_new]  # a one-token prompt: no target state yet
-        if not rows:
-            return 0.0
-        start = time.perf_counter()
-        head = self.engine.head
-        ids = head.target_ids
-        jobs = []
-        steady = []  # per row: it reads one step's states (see `_steady`)
-        for r in rows:
-            fresh = torch.cat(r.aux_new) if len(r.aux_new) > 1 else r.aux_new[0]
-            steady.append(_steady(r, fresh.shape[0]))
-            r.aux_new = []
-            choose = None
-            if not r.sampling.greedy:
+    def _verify(self, rows: list[Row], feeds: list[list[int]]):
+        """The target's one pass over every row's feed: the logits after every fed token
+        ([sum of feeds, V]) and, per row, the states its proposer reads (else None)."""
+        taps = self._taps(rows)
+        logits = target_logits(self.models.target, self._cache(), [r.tslot for r in rows],
+                               feeds, taps)  # fmt: skip
+        if not taps:
+            return logits, [None] * len(rows)
+        logits, tapped = logits
+        return logits, tapped.split([len(f) for f in feeds])
 
-                def choose(scores, r=r):
-                    q = probabilities_of([scores], [r.sampling])[0]
-                    r.q.append(self._full(q, ids))
-                    return draw(q, r.gen)
+    @staticmethod
+    def _probabilities(rows: list[Row], mine) -> tuple[dict, float]:
+        """The target's distributions for the sampled rows (by index), and each one's share of
+        the seconds computing them took."""
+        t0 = time.perf_counter()
+        sampled = [i for i, r in enumerate(rows) if not r.sampling.greedy]
+        probs = probabilities_of([mine[i] for i in sampled], [rows[i].sampling for i in sampled])
+        shared = (time.perf_counter() - t0) / max(1, len(sampled))
+        return dict(zip(sampled, probs, strict=True)), shared
 
-            jobs.append((r.seq, fresh, r.hcache, r.k_eff, choose))
-
-        def timed(n: int, seconds: float, read: bool) -> None:
-            if not read or all(steady):  # a catch-up read is the row's, not a guess's price
-                self.head_cost.observe(n, seconds)
-
-        for r, drafts in zip(rows, head.draft_many(jobs, on_pass=timed), strict=True):
-            r.drafts = drafts
-        dt = time.perf_counter() - start
-        for r in rows:
-            r.draft_s += dt / len(rows)
-            r.cost_s += dt / len(rows)
-        return dt
-
-    def _full(self, q: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
-        """A draft distribution over the target's vocabulary (a pruned head's: zero elsewhere;
-        a draft with a smaller vocabulary: zero-padded)."""
-        if self._vocab is None:
-            self._vocab = self.engine.target.get_output_embeddings().weight.shape[0]
-        if ids is None and q.shape[-1] == self._vocab:
-            return q
-        full = q.new_zeros(self._vocab)
-        if ids is None:
-            n = min(q.shape[-1], self._vocab)
-            full[:n] = q[:n]
+    def _commit(self, r: Row, preds: list[int], scores, p, states) -> tuple[list[int], bool]:
+        """Accept a row's guesses (greedy: the longest prefix the target agrees with; sampled:
+        `sampling.verify`), cut its caches back to what is valid and commit the new tokens, up
+        to an end-of-turn token. Returns (the tokens committed, whether it hit end-of-turn)."""
+        d = r.drafts
+        if r.sampling.greedy:
+            m = 0
+            while m < len(d) and d[m] == preds[m]:
+                m += 1
+            new = d[:m] + [preds[m]]
         else:
-            full[ids] = q
-        return full
+            m, nxt = verify(d, torch.stack(r.q) if r.q else None, p, r.gen)
+            new = d[:m] + [nxt]
+        if r.logprobs is not None:
+            r.logprobs += top_logprobs(scores[: len(new)], new, r.sampling.logprobs)
+        r.rounds += 1
+        r.proposed += len(d)
+        r.accepted += m
+        for i in range(len(d)):
+            r.proposed_pos[i] += 1
+            r.accepted_pos[i] += i < m
+        self._cache().crop(r.tslot, len(r.seq) + m)
+        if r.proposer is not None:
+            r.proposer.accepted(r, len(r.seq) + m, None if states is None else states[: m + 1])
+        hit_eos = False
+        for i, tok in enumerate(new):
+            if tok in self.models.eos_token_ids:
+                new, hit_eos = new[:i], True
+                if r.logprobs is not None:
+                    del r.logprobs[len(r.out) + i :]
+                break
+        r.seq += new
+        r.out += new
+        return new, hit_eos
 
 
-def _steady(row: Row, fresh: int) -> bool:
-    """Whether a row's proposer reads no more than one step commits (`arm.k` + 1 tokens) before
-    it guesses. An eagle row's first turn reads its whole prompt's states, and a row the gate
-    held back catches up on every step it sat out: those reads are the row's (charged to it),
-    but not the price of a guess, which is what `draft_cost` and `head_cost` are for. (Timed in, they
-    put an eagle:2 row's head at 20 ms a step instead of 4 at 2 rows on the AMD EPYC, and the
-    gate then held back rows whose guesses paid 1.2x.)"""
-    return fresh <= row.arm.k + 1
+def generate(
+    models: Models,
+    prompt: Sequence[int],
+    arm: Arm,
+    max_tokens: int,
+    sampling: Sampling = GREEDY,
+    batch: RowBatch | None = None,
+) -> GenerationResult:
+    """One request alone through the step loop (in `batch` if given, else a fresh one): the
+    one-call form for scripts and checks."""
+    batch = batch or RowBatch(models, max_rows=1)
+    (row,) = batch.join([(None, prompt, max_tokens, arm, sampling)])
+    while True:
+        for done, reason in batch.step():
+            if done is row:
+                return row.result(reason)
 
 
 def sample_outputs(
-    engine: SpeculativeEngine,
+    models: Models,
     prompt: Sequence[int],
     arm: Arm,
     n: int,
@@ -660,7 +423,7 @@ def sample_outputs(
     `sampling.seed + i` (a distribution check's samples): each output's first `tokens` tokens
     as a tuple, padded with None after an end of turn; and the guesses proposed."""
     seed0 = sampling.seed or 0
-    batch = RowBatch(engine, max_rows=rows)
+    batch = RowBatch(models, max_rows=rows)
     outs, proposed = [], 0
     for start in range(0, n, rows):
         batch.join([(i, prompt, tokens, arm, replace(sampling, seed=seed0 + i))

@@ -9,8 +9,7 @@ entries stay where they are, invisible, and the next feed overwrites them. Nothi
 rollback. Slots stay packed (`0 .. used-1`): when a row leaves, the last row is copied into its
 slot (its valid prefix, every layer), so a forward over all rows, fed in slot order, reads plain
 views (`RowBatch` keeps its rows in that order); rows fed in any other order are gathered, a
-copy of every layer's keys and values (1.08-1.17x a pass at 4-16 rows on the Intel Xeon:
-`benchmarks.loop_arms --slots`).
+copy of every layer's keys and values (docs/measurements.md: `benchmarks.loop_arms --slots`).
 
 Forward: **flattened, as vLLM's**. The rows' feeds (each its own length: a plain row 1 token, a
 verify k+1, a joiner its prompt) are concatenated into one sequence of T tokens, each with its
@@ -20,7 +19,7 @@ transformers as the attention implementation "phoenix_rows", scatters each token
 value into its row at its position, lays the queries out as `[rows, longest feed]`, and attends
 each row over its own prefix (a mask lets feed token j of row b see columns `<= length_b + j`),
 with grouped-query heads folded into the query length so keys and values are never copied per
-head. A model run without a plan (`engine.generate`, training) attends with SDPA as before.
+head. A model run without a plan (training, a plain forward) attends with SDPA.
 
 Memory: `2 x layers x (rows + 1) x kv_heads x capacity x head_dim` numbers per model (the one
 spare row pads a compiled pass: `RowCache.padded`). Capacity grows by doubling (a copy) up to
@@ -315,7 +314,7 @@ def split_rows(flat: list, feeds: Sequence[Sequence[int]]) -> list[list]:
 
 @torch.inference_mode()
 def target_scores(
-    model, cache: RowCache, slots: Sequence[int], feeds: Sequence[Sequence[int]], pad_id: int = 0
+    model, cache: RowCache, slots: Sequence[int], feeds: Sequence[Sequence[int]]
 ) -> list[list[int]]:
     """Feed each row its tokens; returns each row's greedy choice after every fed token."""
     return split_rows(greedy_ids(target_logits(model, cache, slots, feeds)).tolist(), feeds)
@@ -323,7 +322,7 @@ def target_scores(
 
 @torch.inference_mode()
 def prefill(
-    model, cache: RowCache, slots: Sequence[int], feeds: Sequence[Sequence[int]], pad_id: int = 0,
+    model, cache: RowCache, slots: Sequence[int], feeds: Sequence[Sequence[int]],
     taps: Sequence[int] = (),
 ):  # fmt: skip
     """Feed each row its tokens for the cache only (no scores: the next step feeds the last

@@ -213,7 +213,7 @@ class LeanRunner:
         self.graph_passes = 0  # passes given to the compiled pass (tests count them)
         self.options: dict = {}  # inductor's settings while it compiles (`warm_up`)
         self.warm_taps: set[tuple[int, ...]] = set()  # the taps `warm_up` compiled for
-        self.tried = False  # `models.compile_engine` decided this runner (compiled or eager)
+        self.tried = False  # `compiling.compile_engine` decided this runner (compiled or eager)
 
     @property
     def compiled(self) -> bool:

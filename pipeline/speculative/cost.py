@@ -1,0 +1,208 @@
+"""Step costs: what a step of the step loop takes, measured (`StepCost`), and what the policy
+reads off the measured curves. Pure: numbers in, seconds out; rows are read only through their
+counters (`batch.Row`: rounds, guess_rounds, proposed, accepted, arm.k, dslot, hcache).
+
+A curve is ((n, seconds), ...) ascending in n: a target pass against tokens fed, a draft-model
+or EAGLE-3 head pass against the rows in it. `step_seconds` reads one; `shared_passes`,
+`drafting_seconds` and `added_passes` price proposals that rows share.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Sequence
+
+
+class StepCost:
+    """A step's time against its size `n` (tokens fed, or rows drafted for). Pure.
+
+    Two readings of the same steps: `curve()`, an exponentially weighted mean (n, seconds) per
+    size bucket (`BUCKETS`), which the policy reads as a piecewise-linear curve (on a CPU a
+    pass costs about the same from 1 to a few tokens, then grows with every token: one line
+    through both regimes is wrong at both ends); and `coefficients()`, a least-squares line
+    a + b * n over every step, which splits a step among its rows (`shares`).
+
+    `curve(rows)`: the same, for steps of that many rows (bucketed): a step's time is not a
+    function of tokens fed alone (attention lays every row out to the longest feed). Past the
+    largest size measured at that many rows, the curve goes on with the all-rows curve's
+    increments: an optimistic guess, so a load where nobody guessed yet is tried, measured,
+    and from then on priced by what it measured. Below the smallest, in proportion to the
+    all-rows curve: a pessimistic guess for guessing (plain is priced lower, so a load measured
+    only guessing is tried plain, and measured; in proportion, so it never reaches 0). The
+    measurements behind both: docs/measurements.md."""
+
+    BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+    BUCKET_DECAY = 0.9  # a bucket follows its own recent steps (the machine's load changes)
+
+    def __init__(self, a: float = 1.0, b: float = 0.0, decay: float = 0.995):
+        self.prior = (a, b)
+        self.decay = decay
+        self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.buckets: dict[int, list[float]] = {}  # bucket -> [weight, weight * n, weight * s]
+        self.by_rows: dict[int, dict[int, list[float]]] = {}  # rows bucket -> the same
+
+    @classmethod
+    def bucket(cls, n: float) -> int:
+        return cls.BUCKETS[max(0, bisect_right(cls.BUCKETS, n) - 1)]  # the last: open
+
+    def observe(self, n: int, seconds: float, rows: int | None = None) -> None:
+        d = self.decay
+        self.sw = d * self.sw + 1
+        self.sx = d * self.sx + n
+        self.sy = d * self.sy + seconds
+        self.sxx = d * self.sxx + n * n
+        self.sxy = d * self.sxy + n * seconds
+        keys = [(self.buckets, self.bucket(n))]
+        if rows is not None:  # by exact size up to 64: a row's few guesses are a point apart
+            table = self.by_rows.setdefault(self.bucket(rows), {})
+            keys.append((table, int(n) if n <= 64 else self.bucket(n)))
+        k = self.BUCKET_DECAY
+        for table, key in keys:
+            w = table.setdefault(key, [0.0, 0.0, 0.0])
+            w[0], w[1], w[2] = k * w[0] + 1, k * w[1] + n, k * w[2] + seconds
+
+    @property
+    def seen(self) -> bool:
+        return self.sw > 0
+
+    @staticmethod
+    def _points(table: dict[int, list[float]]) -> tuple[tuple[float, float], ...]:
+        """Each bucket's weighted means, made non-decreasing in n by pooling adjacent
+        violators (weighted by their steps): a pass of more tokens never costs less, and one
+        slow step at a size seen once would otherwise price a guess as if it did."""
+        points = [(w[1] / w[0], w[2] / w[0], w[0]) for _, w in sorted(table.items())]
+        blocks: list[list[float]] = []  # [mean seconds, weight, points pooled]
+        for _, y, w in points:
+            blocks.append([y, w, 1])
+            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                y2, w2, c2 = blocks.pop()
+                b = blocks[-1]
+                b[0], b[1], b[2] = (b[0] * b[1] + y2 * w2) / (b[1] + w2), b[1] + w2, b[2] + c2
+        pooled = [b[0] for b in blocks for _ in range(int(b[2]))]
+        return tuple((x, y) for (x, _, _), y in zip(points, pooled, strict=True))
+
+    def curve(self, rows: int | None = None) -> tuple[tuple[float, float], ...]:
+        """The measured (n, seconds) points, ascending in n: each bucket's weighted means; with
+        `rows`, those of steps of that many rows, continued below the smallest and past the
+        largest by the all-rows curve (class docstring). No steps of that many rows:
+        the all-rows curve."""
+        every = self._points(self.buckets)
+        own = self._points(self.by_rows.get(self.bucket(rows), {})) if rows else ()
+        if not own:
+            return every
+        (x0, y0), (x1, y1) = own[0], own[-1]
+        low, high = step_seconds(every, x0), step_seconds(every, x1)
+        below = [(x, y0 * min(1.0, step_seconds(every, x) / low) if low > 0 else y0)
+                 for x, _ in every if x < x0]  # fmt: skip
+        beyond = [(x, y1 + max(0.0, step_seconds(every, x) - high)) for x, _ in every if x > x1]
+        return tuple(below) + own + tuple(beyond)
+
+    def coefficients(self) -> tuple[float, float]:
+        """(a, b). Until the steps seen vary in size: their mean time as a, b = 0."""
+        var = self.sw * self.sxx - self.sx * self.sx
+        if self.sw >= 4 and var > 1e-9 * max(1.0, self.sw * self.sxx):
+            b = (self.sw * self.sxy - self.sx * self.sy) / var
+            a = (self.sy - b * self.sx) / self.sw
+            if a > 0 and b >= 0:
+                return a, b
+        return (self.sy / self.sw, 0.0) if self.sw > 0 else self.prior
+
+    def shares(self, fed: Sequence[int]) -> list[float]:
+        """Each row's fraction of a step that fed these token counts (they sum to 1)."""
+        a, b = self.coefficients()
+        n = len(fed)
+        parts = [a / n + b * f for f in fed]
+        total = sum(parts)
+        return [p / total for p in parts] if total > 0 else [1 / n] * n
+
+
+def step_seconds(curve: tuple[tuple[float, float], ...], n: float) -> float:
+    """Seconds of a pass of size `n` on a measured curve ((n, seconds) points, ascending):
+    linear between points; below the first, the first's time; past the last, the larger of the
+    last segment's slope and time proportional to size (what was not measured is not assumed
+    cheap: a loaded batch measures only its plain steps)."""
+    if not curve:
+        raise ValueError("no measured points")
+    (x0, y0) = curve[0]
+    if n <= x0:
+        return y0
+    for (x1, y1), (x2, y2) in zip(curve, curve[1:], strict=False):
+        if n <= x2:
+            return y1 + (y2 - y1) * (n - x1) / max(x2 - x1, 1e-9)
+    xl, yl = curve[-1]
+    proportional = yl * n / max(xl, 1e-9)
+    if len(curve) == 1:
+        return proportional
+    xp, yp = curve[-2]
+    return max(proportional, yl + max(0.0, (yl - yp) / max(xl - xp, 1e-9)) * (n - xl))
+
+
+def per_step(rows) -> tuple[float, float]:
+    """What the step loop's `rows` (`batch.Row`: rounds, proposed, accepted, arm.k) feed the
+    target and commit per step, summed: each row's own means so far (a row that has not
+    stepped yet: its k guesses fed, one token committed)."""
+    fed = tokens = 0.0
+    for r in rows:
+        n = r.rounds
+        fed += 1 + (r.proposed / n if n else r.arm.k)
+        tokens += 1 + (r.accepted / n if n else 0.0)
+    return fed, tokens
+
+
+def shared_passes(curve, guesses) -> float:
+    """Seconds of the batched passes that give each row its `guesses` (one pass per position
+    over the rows still guessing; `curve`: a pass against rows in it)."""
+    ks = sorted((g for g in guesses if g > 0), reverse=True)
+    seconds = done = 0.0
+    for m in range(len(ks), 0, -1):  # the passes over m rows: up to the m-th longest guess
+        passes = ks[m - 1] - done
+        if passes > 0:
+            seconds += passes * step_seconds(curve, m)
+            done = ks[m - 1]
+    return seconds
+
+
+def guessing_share(r) -> float:
+    """The share of a step loop row's (`batch.Row`) steps it guessed in so far (not stepped
+    yet: every step)."""
+    return min(1.0, r.guess_rounds / r.rounds) if r.rounds else 1.0
+
+
+def head_rows(rows) -> float:
+    """The EAGLE-3 rows of `rows` (`batch.Row`) that share the head's passes, each weighted by
+    the share of steps it guesses in: a row the gate holds back reads nothing and shares no
+    pass."""
+    return sum(guessing_share(r) for r in rows if r.hcache is not None)
+
+
+def drafting_seconds(rows, draft_cost, head_cost) -> float:
+    """Seconds a step of the step loop's `rows` (`batch.Row`) spends on their proposals, from
+    the loop's curves (`Context.draft_cost`, `head_cost`; None: not measured, 0): the draft
+    model's rows share one batched pass per position, each over the rows still guessing, and
+    so do the EAGLE-3 rows (their reads of their states are one pass over them all, their
+    first guess; `Eagle3Head.draft_many`); prompt lookup is free. Each row's guesses per step
+    are its own mean so far, over every step (not stepped yet: its k): a row the gate holds
+    back in most steps adds little."""
+
+    def guesses(r) -> float:
+        return r.proposed / r.rounds if r.rounds else float(r.arm.k)
+
+    seconds = 0.0
+    if head_cost:
+        seconds += shared_passes(head_cost, [guesses(r) for r in rows if r.hcache is not None])
+    if draft_cost:
+        seconds += shared_passes(draft_cost, [guesses(r) for r in rows if r.dslot is not None])
+    return seconds
+
+
+def added_passes(curve, rows: float, passes: float) -> float:
+    """What a row adds to `passes` batched passes that `rows` other rows make already: each
+    pass's growth from `rows` to `rows` + 1 (alone: the whole pass). `rows` may be a fraction
+    (rows that share only some passes, `head_rows`): between its two whole neighbours."""
+
+    def grown(n: int) -> float:
+        return step_seconds(curve, n + 1) - (step_seconds(curve, n) if n else 0.0)
+
+    lo = int(rows)
+    w = rows - lo
+    return passes * max(0.0, (1 - w) * grown(lo) + (w * grown(lo + 1) if w else 0.0))

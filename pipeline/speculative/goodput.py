@@ -1,0 +1,405 @@
+"""The goodput policy (`bandit.policy: goodput`, the default): the arm with the best predicted
+goodput at the load a request joins, and the per-step gate that caps the bandit's rows'
+guesses at the batch they share. Pure: arms, rewards and the step loop's measured curves, no
+models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .bandit import Context, Decision, EpsilonGreedy, strategy_of, temperature_bucket
+from .cost import added_passes, shared_passes, step_seconds
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """What the per-step gate (`GoodputBandit.step_caps`) sees of one row of a step."""
+
+    arm: str
+    k: int  # the most it could guess this step (its arm's k, less what its budget leaves)
+    adaptive: bool  # the bandit's row: the gate caps its guesses; else the caller's arm
+    fed: float = 1.0  # its mean tokens fed a step so far (a fixed row is priced at these)
+    tokens: float = 1.0  # ... and committed
+    temperature: float = 0.0
+
+
+class GoodputBandit(EpsilonGreedy):
+    """The arm with the best predicted goodput at the load the request joins (policy `goodput`).
+
+    Goodput is what the batch commits per second. A request joins a batch whose other rows feed
+    F_o tokens and commit R_o tokens a step (the context's; without them, rows - 1 plain rows:
+    F_o = R_o = rows - 1). With the step loop's measured curves (S(x): a whole step, proposals,
+    target pass and acceptance, draft passes excepted, feeding x tokens; D(m): a draft pass for
+    m rows; H(m): an EAGLE-3 head pass for m rows; `step_seconds`), arm s:k is predicted at
+
+        tokens(s:k) = 1 + sum_{i<k} P_s[i]       P_s[i]: share of s's rounds that could guess
+                                                  at position i whose guesses 1..i+1 were all
+                                                  accepted
+        step(s:k)   = sum_{j<=k} (Q_s[j-1] - Q_s[j]) * S(F_o + 1 + j)
+                                                  Q_s[i]: share of them that guessed there
+                                                  (Q_s[-1] = 1, Q_s[k] = 0): the step
+                                                  priced per number of guesses j
+        draft(s:k)  = [s = draft] * k * (D(1) if no other row drafts, else D(m + 1) - D(m))
+                      + [s = eagle] * k * (H(1) if no other row uses the head, else
+                                           H(m + 1) - H(m))
+                                                  (the eagle rows read their states in one
+                                                  pass, then share a pass per guess; m: the
+                                                  other eagle rows weighted by the share of
+                                                  steps they guess in, `head_rows`)
+        goodput     = (R_o + tokens) / (step + P_o + draft)
+                                                  (arm 0: (R_o + 1) / (S(F_o + 1) + P_o))
+
+    with P_o what the other rows' proposals add to every step (`drafting_seconds`: a row beside
+    an EAGLE-3 row waits for its head whatever it runs itself).
+
+    The step is priced per number of guesses, not at the mean feed: a pass's time is flat for
+    a few tokens, then grows, and prompt lookup guesses all its k or none (no match).
+
+    Where plain wins beside other rows but a speculative arm would win alone, the request
+    still gets that arm (`Decision.deferred`), and the step loop's gate (`step_caps`) caps its
+    guesses each step at what pays at that batch: none, or fewer than its k, at a full batch;
+    all of them once the batch has thinned towards the request alone. A plain arm is for the
+    request's whole life; deferred, the gate judges the rows guessing together, which is the
+    batch's choice.
+
+    This is the batch's goodput with this row in it: a row's guesses are charged at their
+    marginal cost, the time they add to every row's step. Alone (R_o = F_o = 0), drafting pays
+    as far as acceptance carries it; beside n - 1 plain rows the row's extra tokens are a 1/n
+    gain to the batch, against what its guesses add to the whole step, so where a pass grows
+    with every token the policy drafts less as rows grow, then not at all. Acceptance is learnt
+    per strategy, position and temperature bucket from every request (it does not depend on the
+    load, nor on k for a greedy proposer; it falls as the temperature rises: a bucket not
+    measured yet borrows the greedy figures), so what one client taught holds at sixteen, with
+    no exploration per load. The counts decay (`decay` per round) so a drifting draft is
+    followed. Warm-up and exploration are the plausible policy's: every arm in turn, then with
+    probability epsilon an arm whose prediction is within `explore_margin` of the best (an arm
+    predicted clearly slower at this load is never explored there). Without the loop's figures
+    in the context it falls back to the measured means (plausible policy). The measurements
+    behind these choices: docs/measurements.md."""
+
+    def __init__(
+        self, arms, rng, *args, explore_margin: float = 0.1, decay: float = 0.998,
+        speculate_margin: float = 0.05, margin_per_row: float = 0.0, learners: int = 1, **kw,
+    ):  # fmt: skip
+        """`learners`: rows a step that may guess with their acceptance unknown (`step_caps`)."""
+        super().__init__(arms, rng, *args, **kw)
+        self.learners = learners
+        self.explore_margin = explore_margin
+        self.speculate_margin = speculate_margin
+        self.margin_per_row = margin_per_row
+        self.decay = decay
+        self.top = max((int(str(a).partition(":")[2] or 0) for a in self.arms), default=0)
+        # strategy -> [rounds that could guess at position i..., proposed at i..., accepted at i...]
+        self.positions: dict[str, list[float]] = {}
+
+    def _stats(self, key: str) -> list[float]:
+        return self.positions.setdefault(key, [0.0] * (3 * self.top))
+
+    @staticmethod
+    def _key(strategy: str, context: Context | None) -> str:
+        """Acceptance is kept per strategy and temperature bucket: `ngram`, `ngram@2`, ..."""
+        b = temperature_bucket(context)
+        return f"{strategy}@{b}" if b else strategy
+
+    def predict(self, arm, context: Context | None) -> float | None:
+        """Predicted goodput (tokens/s) of `arm` at this context; None: not known yet."""
+        if context is None or context.step_cost is None:
+            return None
+        n = max(1, context.rows)
+        fed_o = n - 1 if context.others_fed is None else context.others_fed
+        tokens_o = n - 1 if context.others_tokens is None else context.others_tokens
+        s, k = strategy_of(arm), int(str(arm).partition(":")[2] or 0)
+        if not s or k == 0:
+            plain = step_seconds(context.step_cost, fed_o + 1) + context.others_drafting
+            return (tokens_o + 1) / max(plain, 1e-9)
+        # Acceptance at this temperature; until it is measured, the greedy figures stand in.
+        st = self.positions.get(self._key(s, context)) or self.positions.get(s)
+        top = self.top
+        if st is None or any(st[i] <= 0 for i in range(min(k, top))):
+            return None  # a position this arm guesses at was never measured
+        elig, prop, acc = st[:top], st[top : 2 * top], st[2 * top :]
+        tokens = 1 + sum(acc[i] / elig[i] for i in range(k))
+        # The whole batch's step, per number of guesses (class docstring), and the other rows'
+        # proposals.
+        cost, last = context.others_drafting, 1.0  # last: the share that guessed j or more
+        for j in range(k + 1):
+            more = min(last, prop[j] / elig[j]) if j < k else 0.0  # ... j + 1 or more
+            cost += (last - more) * step_seconds(context.step_cost, fed_o + 1 + j)
+            last = more
+        if s == "draft" and context.draft_cost is not None:
+            cost += added_passes(context.draft_cost, context.draft_rows, k)
+        if s == "eagle" and context.head_cost is not None:  # its read and guesses: shared
+            cost += added_passes(context.head_cost, context.head_rows, k)
+        return (tokens_o + tokens) / max(cost, 1e-9)
+
+    def seed(self, prior: dict[str, tuple[list, list, list]], rounds: float) -> list[str]:
+        """Start from acceptance measured elsewhere (the bench: `drafts.bench_prior`).
+        `prior[key]`: (rounds that could guess at position i, proposed at i, accepted at i) per
+        strategy key (`_key`: `eagle`, `ngram@2`, ...), scaled to weigh at most `rounds` rounds
+        (the counts decay as live rounds come, so live requests soon outweigh it). Keys with
+        figures already (a restored state) and strategies no arm uses are left alone. Returns
+        the keys seeded."""
+        used = {strategy_of(a) for a in self.arms}
+        seeded = []
+        with self._lock:
+            for key, (elig, prop, acc) in prior.items():
+                if key in self.positions or key.partition("@")[0] not in used:
+                    continue
+                if not elig or elig[0] <= 0:
+                    continue
+                scale = min(1.0, rounds / elig[0])
+                st = self._stats(key)
+                for part, values in enumerate((elig, prop, acc)):
+                    for i, x in enumerate(values[: self.top]):
+                        st[part * self.top + i] = scale * float(x)
+                seeded.append(key)
+        return seeded
+
+    def _known(self, arm, context: Context) -> bool:
+        """Whether `arm` needs no warm-up pull at this context: a speculative arm whose
+        acceptance is known (a prior, or earlier requests) and whose every cost the loop has
+        measured (a step at least as long as it feeds; the draft pass or the head, if it uses
+        one). Plain is always pulled: the drift guard compares with it."""
+        s, k = strategy_of(arm), int(str(arm).partition(":")[2] or 0)
+        if not s or k == 0 or self.predict(arm, context) is None:
+            return False
+        if max(x for x, _ in context.step_cost) < 1 + k:
+            return False
+        if s == "draft" and context.draft_cost is None:
+            return False
+        return not (s == "eagle" and context.head_cost is None)
+
+    def choose(self, context: Context | None = None) -> Decision:
+        if context is None or context.step_cost is None:
+            return super().choose(context)  # no loop figures: the measured means decide
+        with self._lock:
+            while (arm := self._warmup_arm()) is not None:
+                if not self._known(arm, context):
+                    return self._decision(arm, True, True, 1.0, context)
+            values = {a: self.predict(a, context) for a in self.arms}
+            known = {a: v for a, v in values.items() if v is not None}  # arm 0 always is
+            eps = self.epsilon()
+            explored = self.rng.random() < eps
+            allowed = self._allowed(values, context)
+            known = {a: v for a, v in known.items() if a in allowed}
+            if not known:  # no plain arm, and no acceptance measured yet: the measured means
+                explored = False
+                arm = max(allowed, key=lambda a: (self.means[a], -self.arms.index(a)))
+            elif explored:  # an unknown arm, or one within the margin of the best prediction
+                floor = (1 - self.explore_margin) * max(known.values())
+                arm = self.rng.choice(
+                    [a for a in allowed if values[a] is None or values[a] >= floor]
+                )
+            else:
+                arm = max(known, key=lambda a: (known[a], -self.arms.index(a)))
+            deferred = False
+            spec = {a: v for a, v in values.items() if v is not None and strategy_of(a)}
+            if context.rows > 1 and not explored and not strategy_of(arm) and spec:
+                if (alone := self._alone(context)) is not None:  # capped per step
+                    arm, deferred = alone, True
+            self.t += 1
+            return replace(self._decision(arm, explored, False, eps, context, values),
+                           deferred=deferred)  # fmt: skip
+
+    def _alone(self, context: Context):
+        """The arm predicted best for this request alone (`Context.alone_cost`), if it is a
+        speculative one; else None."""
+        if context.alone_cost is None:
+            return None
+        alone = replace(context, rows=1, step_cost=context.alone_cost, draft_rows=0, head_rows=0,
+                        others_fed=0.0, others_tokens=0.0, others_drafting=0.0)  # fmt: skip
+        values = {a: v for a in self.arms if (v := self.predict(a, alone)) is not None}
+        best = max(values, key=lambda a: (values[a], -self.arms.index(a)))
+        return best if strategy_of(best) else None
+
+    def guesses(self, arm, temperature: float = 0.0) -> list[tuple[float, float]] | None:
+        """What a row of `arm` guesses and commits a step if it may guess at most j tokens,
+        for j = 0..k: [(guesses fed, tokens committed), ...] from its strategy's acceptance
+        at this temperature (until measured there, the greedy figures), as far as its positions
+        were measured. None: plain, or not even its first position measured. Read under the
+        lock (`step_values`)."""
+        s, k = strategy_of(arm), int(str(arm).partition(":")[2] or 0)
+        if not s or k == 0:
+            return None
+        ctx = Context(temperature=temperature)
+        st = self.positions.get(self._key(s, ctx)) or self.positions.get(s)
+        top = self.top
+        if st is None or st[0] <= 0:
+            return None
+        out, fed, tokens = [(0.0, 1.0)], 0.0, 1.0
+        for i in range(min(k, top)):
+            if st[i] <= 0:  # never measured this far (a shorter arm, capped rows): up to here
+                break
+            fed += st[top + i] / st[i]
+            tokens += st[2 * top + i] / st[i]
+            out.append((fed, tokens))
+        return out
+
+    def step_caps(self, rows: list[StepRow], step_cost, draft_cost=None, head_cost=None):
+        """The most tokens each row of a step may guess (the step loop asks every step, as
+        SmartSpec and vLLM's dynamic speculation choose the draft length by the batch). Alone,
+        or without the loop's figures: each row its arm's k (the arm was chosen for it).
+        Beside other rows, one cap c for the adaptive rows (the bandit's) together, the c in
+        0..k with the best predicted goodput of the whole step,
+
+            goodput(c) = sum_r tokens_r(c) / (S(sum_r (1 + guesses_r(c))) + H + D)
+
+        with S the step curve (at the mean feed, except that a prompt-lookup row guesses all
+        its j or none, so the step is priced per number of its guesses, as `predict` does),
+        H and D the head's and the draft model's shared passes (`shared_passes`) over the
+        rows' guesses; an adaptive row at cap c guesses and
+        commits what its strategy's acceptance predicts for min(k, c) guesses (`guesses`), a
+        fixed row what it has so far. c > 0 must beat c = 0 by `margin(rows)`: a wrong guess
+        costs every row. Together, because the rows share the passes (an EAGLE-3 head pass
+        costs about the same for one row as for four); one cap, because more guesses a row
+        cost every row at a full batch.
+
+        Learners: an adaptive row whose strategy's acceptance does not reach its k at its
+        temperature (`guesses`: never measured, or not that far) cannot be priced, and capped
+        it would teach nothing. The first `learners` such rows of a step (in row order: the
+        earliest joined) guess their whole k, priced as fixed rows at what they fed so far; any
+        others sit out that step. Such rows come from warm-up pulls (`rewarm`: a swapped
+        draft's arms first of all), and an arm whose request left its acceptance short of its
+        k goes back on `rewarm` (`update`). Bound: at most `learners` rows a step guess
+        unpriced; after a swap, with bandit requests joining one at a time, the new draft's
+        acceptance is measured within `warmup_pulls` x (forgotten arms) bandit requests that
+        guess in at least one step, whatever the load."""
+        full = [r.k for r in rows]
+        if len(rows) <= 1 or step_cost is None:
+            return full
+        with self._lock:
+            unknown = [i for i, r in enumerate(rows) if r.adaptive and r.k > 0
+                       and not self._reaches(r.arm, r.k, r.temperature)]  # fmt: skip
+        learning = set(unknown[: self.learners])
+        view = [replace(r, adaptive=False) if i in learning else r for i, r in enumerate(rows)]
+        values, plans = self.step_values(view, step_cost, draft_cost, head_cost)
+        cap = max(range(len(values)), key=lambda c: (values[c], -c))
+        if values[cap] < (1 + self.margin(len(rows))) * values[0]:
+            cap = 0
+        return [min(k, cap if plans[i] else 0) if i in plans else k for i, k in enumerate(full)]
+
+    def _reaches(self, arm, k: int, temperature: float) -> bool:
+        """Under the lock: whether `arm`'s acceptance is measured at its first `k` positions at
+        this temperature (`guesses`)."""
+        plan = self.guesses(arm, temperature)
+        return plan is not None and len(plan) > min(k, self.top)
+
+    def step_values(self, rows: list[StepRow], step_cost, draft_cost=None, head_cost=None):
+        """The predicted goodput of a step of `rows` with the adaptive rows capped at c, for c
+        in 0..their largest k (`step_caps`), and each adaptive row's `guesses` (None: not
+        known)."""
+        with self._lock:
+            plans = {i: self.guesses(r.arm, r.temperature) for i, r in enumerate(rows)
+                     if r.adaptive and r.k > 0}  # fmt: skip
+        top = max((min(rows[i].k, len(p) - 1) for i, p in plans.items() if p), default=0)
+
+        def goodput(cap: int) -> float:
+            fed = tokens = 0.0
+            passes: dict[str, list[float]] = {"draft": [], "eagle": []}
+            spread = [1.0]  # the chance of each number of prompt-lookup guesses beyond `fed`
+            for i, r in enumerate(rows):
+                if r.k == 0:  # it cannot guess this step (plain, or its budget's last token)
+                    g, t = 0.0, 1.0
+                elif i in plans:
+                    p = plans[i]
+                    j = min(cap, r.k, len(p) - 1) if p else 0
+                    g, t = p[j] if p else (0.0, 1.0)
+                    if strategy_of(r.arm) == "ngram" and j > 0:  # all its j guesses or none
+                        share = g / j
+                        spread = [(1 - share) * a + (share * spread[n - j] if n >= j else 0.0)
+                                  for n, a in enumerate(spread + [0.0] * j)]  # fmt: skip
+                        g = 0.0
+                else:
+                    g, t = r.fed - 1, r.tokens
+                fed += 1 + g
+                tokens += t
+                passes.setdefault(strategy_of(r.arm), []).append(g)
+            cost = sum(w * step_seconds(step_cost, fed + n) for n, w in enumerate(spread) if w)
+            if head_cost:
+                cost += shared_passes(head_cost, passes["eagle"])
+            if draft_cost:
+                cost += shared_passes(draft_cost, passes["draft"])
+            return tokens / max(cost, 1e-9)
+
+        return [goodput(c) for c in range(top + 1)], plans
+
+    def margin(self, rows: int) -> float:
+        """How far a guess must be predicted to beat plain beside other rows: `speculate_margin`
+        at 2 rows, and `margin_per_row` more for every row past two: the prediction errs more
+        the more rows a step holds, and towards guessing (docs/serving.md). A near-tie goes to
+        plain: a wrong guess costs every row beside it."""
+        return self.speculate_margin + self.margin_per_row * max(0, rows - 2)
+
+    def _allowed(self, values: dict, context: Context) -> list:
+        """The arms a request may get. Alone: all. Beside other rows: plain, and the speculative
+        arms predicted to beat plain by `margin(rows)`; no arm is explored there whose
+        acceptance is unknown (it does not depend on the load: warm-up pulls learn it, their
+        rows let guess by the gate, `step_caps`)."""
+        plain = next((a for a in self.arms if not strategy_of(a)), None)
+        if context.rows <= 1 or plain is None or values.get(plain) is None:
+            return list(self.arms)
+        bar = (1 + self.margin(context.rows)) * values[plain]
+        return [a for a in self.arms if a == plain or (values[a] is not None and values[a] >= bar)]
+
+    def _decision(self, arm, explored, warmup, eps, context=None, values=None) -> Decision:
+        shown = {a: v for a, v in (values or self.means).items() if v is not None}
+        return Decision(arm, explored, warmup, eps, shown, dict(self.counts))
+
+    def update(self, arm, reward, context=None, acceptance=None, weight=1.0, positions=None):
+        """As the plausible policy's, plus `positions`: (rounds that could guess at each
+        position, proposed at each, accepted at each) of the request, which teach its
+        strategy's acceptance (a number for the first: every position, as many rounds; per
+        position, because a row capped below its k by the gate could not guess past the cap).
+        A speculative arm whose acceptance still does not reach its k goes back on `rewarm`,
+        to be pulled again (`step_caps`, learners)."""
+        super().update(arm, reward, context, acceptance, weight)
+        s, k = strategy_of(arm), int(str(arm).partition(":")[2] or 0)
+        if not s or k == 0:
+            return
+        temperature = 0.0 if context is None else context.temperature
+        with self._lock:
+            if positions is not None:
+                self._teach(self._key(s, context), positions)
+            if not self._reaches(arm, k, temperature) and arm not in self.rewarm:
+                self.rewarm.append(arm)
+
+    def _teach(self, key: str, positions) -> None:
+        """Under the lock: add one request's (eligible, proposed, accepted) per position."""
+        elig, prop, acc = positions
+        k = min(len(prop), self.top)
+        if isinstance(elig, (int, float)):
+            elig = [elig] * k
+        if k == 0 or not elig or elig[0] <= 0:
+            return
+        st = self._stats(key)
+        keep = self.decay ** elig[0]
+        for i in range(len(st)):
+            st[i] *= keep
+        top = self.top
+        for i in range(k):
+            st[i] += elig[i]
+            st[top + i] += prop[i]
+            st[2 * top + i] += acc[i]
+
+    def _forget_more(self, arms) -> None:
+        gone = {strategy_of(a) for a in arms}
+        for key in [k for k in self.positions if k.partition("@")[0] in gone]:
+            self.positions.pop(key)
+
+    def state(self) -> dict:
+        out = super().state()
+        with self._lock:
+            out["positions"] = {s: list(v) for s, v in self.positions.items()}
+        return out
+
+    def load_state(self, state: dict) -> None:
+        super().load_state(state)
+        width = 3 * self.top
+        positions = {
+            str(s): [float(x) for x in v]
+            for s, v in state.get("positions", {}).items()
+            if len(v) == width
+        }
+        with self._lock:
+            self.positions = positions
