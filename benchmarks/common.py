@@ -19,10 +19,10 @@ import torch
 
 from pipeline import models
 from pipeline.bench import environment as _environment
-from pipeline.local_teacher import serve_command
 from pipeline.speculative.rows import RowCache, draft_scores, prefill
 from pipeline.speculative.sampling import greedy_ids
 from pipeline.subprocs import PREEXEC, free_port, stop
+from pipeline.teacher import serve_command
 from pipeline.workspace import atomic_write_json, atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,18 +1,22 @@
 """The config's sections for serving and its measurement: the bandit, the server, the step
 loop's engine, the benchmark and vLLM.
 
-Each class is one YAML section (`pipeline.config.Config` holds them all); its field names are
-the YAML keys. Unknown keys are errors (`extra="forbid"`).
+Each class is one YAML section (`pipeline.config.Config` holds them all; the stages' sections
+live there); its field names are the YAML keys. `Section`, every section's base, refuses
+unknown keys.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .config_stages import Section
 from .speculative.arms import FORMS, canonical
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class BanditConfig(Section):

@@ -24,7 +24,6 @@ from . import distillation, models, specs
 from .config import Config
 from .errors import InputError
 from .teacher import load_all_answers
-from .train_data import build_examples, pad_id
 from .workspace import (
     Workspace,
     atomic_write_json,
@@ -184,7 +183,9 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
     model.config.use_cache = False
     distillation.add_compact_head(model)  # before PEFT wraps it
     width = t.top_logprobs if source == "teacher" else None
-    rows, sparse = build_examples(answers, tok, cfg.template_kwargs(), t.max_length, width)
+    rows, sparse = distillation.build_examples(
+        answers, tok, cfg.template_kwargs(), t.max_length, width
+    )
     if not rows:
         raise InputError("no usable training examples: every prompt exceeds train.max_length")
     teacher, sparse, precompute_s = _target_side(cfg, target_ref, tok, rows, sparse, dtype, device)
@@ -357,7 +358,7 @@ def _train_eagle3(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict)
 
     t = cfg.train
     ref, tok, target = models.load_target_for_head(cfg, ws)
-    rows, _ = build_examples(answers, tok, cfg.template_kwargs(), t.max_length)
+    rows, _ = distillation.build_examples(answers, tok, cfg.template_kwargs(), t.max_length)
     if not rows:
         raise InputError("no usable training examples: every prompt exceeds train.max_length")
     tmp = make_temp_dir(ws.adapter, ".model.")
@@ -463,3 +464,8 @@ def _fit_head(cfg: Config, head, data: list[dict], top: int) -> tuple[dict, list
             seed=t.seed, on_step=on_step, top=top,
         )  # fmt: skip
     return fit, history
+
+
+def pad_id(tok) -> int:
+    """The id batches are padded with (end-of-text where a tokenizer has no pad token)."""
+    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

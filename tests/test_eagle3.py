@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import eagle3, models, train_data
+from pipeline import distillation, eagle3, models, train
 from pipeline.speculative.eagle3 import HeadCache
 from pipeline.speculative.eagle3_config import config_from_target, default_aux_layers
 from tests.conftest import target_greedy
@@ -194,7 +194,7 @@ def _rows(tok, n=6):
          f"    return x + {i}\n", "finish_reason": "stop"}
         for i in range(n)
     ]  # fmt: skip
-    rows, _ = train_data.build_examples(answers, tok, {}, 128)
+    rows, _ = distillation.build_examples(answers, tok, {}, 128)
     return rows
 
 
@@ -205,7 +205,7 @@ def test_states_are_cached_by_target_and_answers_and_resumed(tiny_models, tmp_pa
     k1 = eagle3.states_key("w1", rows, aux)
     assert k1 != eagle3.states_key("w2", rows, aux)  # another target
     assert k1 != eagle3.states_key("w1", rows[:-1], aux)  # other answers
-    shards = eagle3.cache_states(target, rows, aux, train_data.pad_id(tok), tmp_path / k1, batch=4)
+    shards = eagle3.cache_states(target, rows, aux, train.pad_id(tok), tmp_path / k1, batch=4)
     data = eagle3.load_shards(shards)
     assert [d["ids"].tolist() for d in data] == [r["input_ids"] for r in rows]
     # kd's distribution: the target's top ids, most likely first (its greedy token), with
@@ -218,7 +218,7 @@ def test_states_are_cached_by_target_and_answers_and_resumed(tiny_models, tmp_pa
     alone = _aux(target, rows[0]["input_ids"], aux)
     torch.testing.assert_close(data[0]["aux"].float(), alone, atol=2e-2, rtol=2e-2)
     stamp = shards[0].stat().st_mtime_ns
-    eagle3.cache_states(target, rows, aux, train_data.pad_id(tok), tmp_path / k1)
+    eagle3.cache_states(target, rows, aux, train.pad_id(tok), tmp_path / k1)
     assert shards[0].stat().st_mtime_ns == stamp  # resumed: not recomputed
 
 
@@ -229,7 +229,7 @@ def test_training_learns_the_targets_next_tokens(tiny_models, tmp_path, top):
     head = eagle3.new_head(target, list(range(target.config.vocab_size)), None)
     aux = head.config.aux_layer_ids
     data = eagle3.load_shards(
-        eagle3.cache_states(target, rows, aux, train_data.pad_id(tok), tmp_path / "s")
+        eagle3.cache_states(target, rows, aux, train.pad_id(tok), tmp_path / "s")
     )
     index = head.draft_index()
     before, _ = eagle3.ttt_loss(head, data, 3, index, top)
@@ -253,7 +253,7 @@ def test_kd_is_the_cross_entropy_on_the_targets_top_n_over_the_heads_vocabulary(
     head = _head(target)
     aux = head.config.aux_layer_ids
     data = eagle3.load_shards(
-        eagle3.cache_states(target, _rows(tok, 4), aux, train_data.pad_id(tok), tmp_path / "s")
+        eagle3.cache_states(target, _rows(tok, 4), aux, train.pad_id(tok), tmp_path / "s")
     )
     index = head.draft_index()
     with torch.no_grad():
@@ -332,7 +332,7 @@ def trained_head(tiny_models, tmp_path_factory):
     torch.manual_seed(3)
     head = eagle3.new_head(target, list(range(target.config.vocab_size)), None)
     data = eagle3.load_shards(eagle3.cache_states(
-        target, rows, head.config.aux_layer_ids, train_data.pad_id(tok),
+        target, rows, head.config.aux_layer_ids, train.pad_id(tok),
         tmp_path_factory.mktemp("states"),
     ))  # fmt: skip
     eagle3.train_head(head, data, epochs=40, lr=3e-3, batch_size=4, steps=3)

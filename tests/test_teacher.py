@@ -232,7 +232,7 @@ def test_the_local_teacher_gets_the_context_its_longest_prompt_needs(distilled_w
     and uncaptured."""
     from pipeline import models, specs
     from pipeline.config import load_config
-    from pipeline.local_teacher import local_context, local_teacher_config
+    from pipeline.teacher import local_context, local_teacher_config
     from pipeline.workspace import Workspace, read_jsonl
 
     ws = Workspace(distilled_ws)
