@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import draft_step_ms, environment, header, write_results
-from pipeline import eagle3, models, specs, train
+from pipeline import distillation, eagle3, models, specs, train
 from pipeline.artifacts import weights_id
 from pipeline.bench import prompt_ids
 from pipeline.config import load_config
@@ -51,7 +51,9 @@ def training_rows(cfg, ws: Workspace, tok, n: int | None, extra: int) -> list[di
     main = [r for (_, j), r in rows.items() if j == 0][:n]
     tasks = {r["task_id"] for r in main}
     answers = main + [r for (t, j), r in rows.items() if 1 <= j <= extra and t in tasks]
-    built, _ = train.build_examples(answers, tok, cfg.template_kwargs(), cfg.train.max_length)
+    built, _ = distillation.build_examples(
+        answers, tok, cfg.template_kwargs(), cfg.train.max_length
+    )
     return built
 
 

@@ -25,7 +25,8 @@ import torch
 from pipeline import distillation, models, specs
 from pipeline.bench import environment
 from pipeline.config import load_config
-from pipeline.train import build_examples, pad_id
+from pipeline.distillation import build_examples
+from pipeline.train import pad_id
 from pipeline.workspace import Workspace, atomic_write_json, read_jsonl
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import environment, header, server, table, write_results
-from pipeline import drafts, loadtest, models, vllm
+from pipeline import drafts, loadtest, models, vllm, vllm_tune
 from pipeline.config import load_config
 from pipeline.speculative.arms import parse_arm
 from pipeline.speculative.batch import RowBatch, generate
@@ -173,7 +173,7 @@ def part_zero(cfg, ws: Workspace, args) -> dict:
     rows = {}
     for i, (label, spec) in enumerate(arms.items()):
         log = ws.root / "perf" / f"vllm-zero-{i}.log"
-        arm = vllm.measure(cfg, vllm.target_dir(cfg, ws), spec, log, prompts, label)
+        arm = vllm_tune.measure(cfg, vllm.target_dir(cfg, ws), spec, log, prompts, label)
         rows[label] = {c: p["tokens_per_second"] for c, p in arm["points"].items()}
         print(f"zero: {label}: {rows[label]}", flush=True)
     return {"rows": rows}

@@ -143,9 +143,9 @@ def run_stage(stage: str, cfg: Config, ws: Workspace, args: argparse.Namespace, 
             summary = loadtest.run_remote(cfg, ws, args.url, args.clients or 1)
             figures.update({k: v for k, v in summary.items() if not isinstance(v, (list, dict))})
         elif stage == "tune-vllm":
-            from . import vllm
+            from . import vllm_tune
 
-            figures.update(vllm.tune(cfg, ws))
+            figures.update(vllm_tune.tune(cfg, ws))
         elif stage == "bench":
             from . import bench
 

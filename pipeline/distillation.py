@@ -1,4 +1,6 @@
-"""What the draft learns from the target: the train stage's objectives and their losses.
+"""What the draft learns from the target: the training rows (`build_examples`: each answer's
+prompt + completion tokenised with a completion mask, and for kd from a teacher endpoint its
+sparse top-N at each answer token) and the train stage's objectives and their losses.
 
     sft        cross-entropy on the teacher's answer tokens
     kd         the target's next-token distribution at every answer position: dense (the local
@@ -26,6 +28,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from . import models
+from .errors import InputError
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "tv", "jsd")
 
@@ -200,72 +205,28 @@ def make_trainer_class():
             if self.objective == "sft":
                 loss = F.cross_entropy(logits.float(), labels)
             elif self.sparse is not None:
-                ids, logp = self._sparse_targets(b["row"], logits.device)
+                ids, logp = gather_sparse(self.sparse, b["row"], logits.device)
                 loss = sparse_divergence(logits, ids, logp, self.divergence_kind).mean()
             else:
                 t = teacher_logits(self.teacher, b["input_ids"], b["attention_mask"], at)
-                loss = self._teacher_loss(logits, t)
+                loss = teacher_divergence(logits, t, self.top_k, self.divergence_kind)
             return loss, (logits.argmax(-1) == labels).float().mean()
-
-        def _teacher_loss(self, s_logits, t_logits) -> torch.Tensor:
-            if self.top_k:
-                ids, logp = top_k_sparse(t_logits, self.top_k)
-                return sparse_divergence(s_logits, ids, logp, self.divergence_kind).mean()
-            return dense_divergence(s_logits, t_logits, self.divergence_kind).mean()
-
-        def _sparse_targets(self, rows: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
-            parts = [self.sparse[int(r)] for r in rows]
-            return (
-                torch.cat([p[0] for p in parts]).to(device),
-                torch.cat([p[1] for p in parts]).to(device),
-            )
 
         # On-policy: the draft continues the prompts; the target scores its tokens.
         def _on_policy_loss(self, model, b) -> tuple[torch.Tensor, torch.Tensor]:
-            ids, att = _left_padded_prompts(b, self.pad_id)
-            gen_model = self.accelerator.unwrap_model(model)
-            was_training = gen_model.training
-            gen_model.eval()
-            sample = self.on_policy["temperature"] > 0
-            with torch.no_grad():
-                out = gen_model.generate(
-                    input_ids=ids,
-                    attention_mask=att,
-                    max_new_tokens=self.on_policy["max_new_tokens"],
-                    do_sample=sample,
-                    temperature=self.on_policy["temperature"] if sample else None,
-                    top_p=None,
-                    top_k=None,
-                    pad_token_id=self.pad_id,
-                    eos_token_id=self.on_policy["eos"],
-                    use_cache=True,
-                )
-            gen_model.train(was_training)
-            new = out[:, ids.shape[1] :]
-            done = torch.zeros(new.shape[0], dtype=torch.bool, device=new.device)
-            keep = torch.zeros_like(new, dtype=torch.bool)
-            for j in range(new.shape[1]):  # each row's tokens up to and including its end-of-turn
-                keep[:, j] = ~done
-                done |= torch.isin(
-                    new[:, j], torch.tensor(self.on_policy["eos"], device=new.device)
-                )
-            full_att = torch.cat([att, keep.long()], 1)
-            mask = torch.cat([torch.zeros_like(att), keep.long()], 1)
+            draft = self.accelerator.unwrap_model(model)
+            out, full_att, mask = draft_rollout(draft, b, self.pad_id, self.on_policy)
             pos = (full_att.cumsum(-1) - 1).clamp(min=0)
             at = shifted(mask)
             logits = model(input_ids=out, attention_mask=full_att, position_ids=pos, logits_at=at)
             t = teacher_logits(self.teacher, out, full_att, at, position_ids=pos)
             match = (logits.argmax(-1) == t.argmax(-1)).float().mean()
-            return self._teacher_loss(logits, t), match
+            return teacher_divergence(logits, t, self.top_k, self.divergence_kind), match
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             mode = "train" if model.training else "eval"
-            use_policy = (
-                self.objective == "on_policy"
-                and model.training
-                and self._rng.random() < self.on_policy["ratio"]
-            )
-            if use_policy:
+            policy_batch = self.objective == "on_policy" and model.training
+            if policy_batch and self._rng.random() < self.on_policy["ratio"]:
                 loss, match = self._on_policy_loss(model, inputs)
                 self._metrics[mode]["on_policy_batches"].append(1.0)
             else:
@@ -277,6 +238,62 @@ def make_trainer_class():
             return (loss, None) if return_outputs else loss
 
     return DistillTrainer
+
+
+def teacher_divergence(s_logits, t_logits, top_k: int | None, kind: str) -> torch.Tensor:
+    """The mean divergence of the draft's logits from the target's: over the target's top_k
+    (the rest as one bucket) where top_k is set, else over the full distribution."""
+    if top_k:
+        ids, logp = top_k_sparse(t_logits, top_k)
+        return sparse_divergence(s_logits, ids, logp, kind).mean()
+    return dense_divergence(s_logits, t_logits, kind).mean()
+
+
+def gather_sparse(
+    sparse: dict[int, tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's rows' stored (ids, logp) per answer token, concatenated in row order."""
+    parts = [sparse[int(r)] for r in rows]
+    return (
+        torch.cat([p[0] for p in parts]).to(device),
+        torch.cat([p[1] for p in parts]).to(device),
+    )
+
+
+def draft_rollout(
+    draft, b: dict[str, torch.Tensor], pad_id: int, on_policy: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The draft continues each row's prompt (left-padded; `on_policy`: max_new_tokens,
+    temperature, eos), without gradients and in eval mode (its mode restored after). Returns
+    the sequences [B, prompt + new], their attention mask, and the mask of the new tokens kept:
+    each row's up to and including its end-of-turn."""
+    ids, att = _left_padded_prompts(b, pad_id)
+    was_training = draft.training
+    draft.eval()
+    sample = on_policy["temperature"] > 0
+    with torch.no_grad():
+        out = draft.generate(
+            input_ids=ids,
+            attention_mask=att,
+            max_new_tokens=on_policy["max_new_tokens"],
+            do_sample=sample,
+            temperature=on_policy["temperature"] if sample else None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=pad_id,
+            eos_token_id=on_policy["eos"],
+            use_cache=True,
+        )
+    draft.train(was_training)
+    new = out[:, ids.shape[1] :]
+    done = torch.zeros(new.shape[0], dtype=torch.bool, device=new.device)
+    keep = torch.zeros_like(new, dtype=torch.bool)
+    for j in range(new.shape[1]):  # each row's tokens up to and including its end-of-turn
+        keep[:, j] = ~done
+        done |= torch.isin(new[:, j], torch.tensor(on_policy["eos"], device=new.device))
+    full_att = torch.cat([att, keep.long()], 1)
+    mask = torch.cat([torch.zeros_like(att), keep.long()], 1)
+    return out, full_att, mask
 
 
 def _left_padded_prompts(b: dict[str, torch.Tensor], pad_id: int):
@@ -315,3 +332,70 @@ def token_to_id(token: str, ids: dict[str, int]) -> int | None:
         except ValueError:
             return None
     return ids.get(token)
+
+
+# --- the training rows -------------------------------------------------------------------------
+def build_examples(
+    answers: list[dict],
+    tokenizer,
+    template_kwargs: dict,
+    max_length: int,
+    logprobs_width: int | None = None,
+) -> tuple[list[dict], dict[int, tuple]]:
+    """Pre-tokenised prompt+completion rows with a completion mask: the loss sees exactly the
+    teacher's tokens (its own ids when the teacher reported them), plus end-of-turn only when
+    the teacher stopped by itself (an answer cut at max_tokens gets none).
+
+    With `logprobs_width` (kd from the teacher's stored top_logprobs) the answer's tokens are
+    the ones its logprobs name, and the second result holds, per row, the teacher's sparse
+    distribution at each answer token: (ids, logprobs) tensors; the end-of-turn the teacher
+    reports no logprobs for is learnt as a plain label."""
+    eos = tokenizer.eos_token_id
+    id_map = token_id_map(tokenizer) if logprobs_width else None
+    rows, sparse = [], {}
+    for a in answers:
+        p_ids = a.get("prompt_token_ids") or models.user_prompt_ids(
+            tokenizer, a["prompt"], template_kwargs
+        )  # captured traffic carries its rendered prompt
+        c_ids = a.get("completion_token_ids")
+        tops = None
+        if logprobs_width:
+            c_ids, tops = _logprob_targets(a, tokenizer, id_map)
+        if c_ids is None:
+            c_ids = tokenizer(a["completion"], add_special_tokens=False)["input_ids"]
+        c_ids = list(c_ids)
+        # vLLM's token_ids end with the end-of-turn token, Phoenix's teacher's do not: one each.
+        stop = [eos] if a.get("finish_reason") == "stop" and c_ids[-1:] != [eos] else []
+        c_ids += stop
+        ids = (p_ids + c_ids)[:max_length]
+        mask = ([0] * len(p_ids) + [1] * len(c_ids))[:max_length]
+        if sum(mask) == 0:
+            continue  # prompt alone fills max_length: nothing to learn from
+        if tops is not None:
+            tops = (tops + [[[eos, 0.0]] for _ in stop])[: sum(mask)]
+            sparse[len(rows)] = stack_sparse(tops, logprobs_width)
+        rows.append({"input_ids": ids, "completion_mask": mask, "row": len(rows)})
+    return rows, sparse
+
+
+def _logprob_targets(a: dict, tokenizer, id_map: dict[str, int]) -> tuple[list[int], list[list]]:
+    """The answer's token ids and top-N [[id, logprob], ...] per token from its stored logprobs,
+    checked against the answer: the tokens must spell it."""
+    lps = a.get("completion_logprobs")
+    if not lps:
+        raise InputError(
+            f"answer task_id {a['task_id']} has no stored logprobs, which train.objective=kd "
+            "with train.kd_source=teacher needs: rerun distill (it asks the teacher again)"
+        )
+    ids = [token_to_id(tok, id_map) for tok, _, _ in lps]
+    if None in ids or tokenizer.decode(ids) != a["completion"]:
+        raise InputError(
+            f"answer task_id {a['task_id']}: its stored logprob tokens do not match the answer's "
+            f"tokens in the draft's tokenizer (token {ids.index(None) if None in ids else '-'} "
+            "unknown, or the decoded text differs): the teacher's tokenizer must be the draft's"
+        )
+    tops = [
+        [[i, lp] for i, lp in ((token_to_id(t, id_map), lp) for t, lp in top) if i is not None]
+        for _, _, top in lps
+    ]
+    return ids, tops

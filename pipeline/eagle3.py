@@ -31,7 +31,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .speculative.eagle3 import Eagle3Config, Eagle3Head, config_from_target, default_aux_layers
+from .speculative.eagle3 import Eagle3Head
+from .speculative.eagle3_config import Eagle3Config, config_from_target, default_aux_layers
 from .workspace import atomic_write_json, make_temp_dir
 
 log = logging.getLogger(__name__)
@@ -362,16 +363,6 @@ def export(head: Eagle3Head, folder: Path, verifier: str, architectures: list[st
 
         shutil.rmtree(folder)
     tmp.replace(folder)
-
-
-def is_eagle3_dir(folder: str | Path) -> bool:
-    p = Path(folder) / CONFIG_NAME
-    if not p.is_file():
-        return False
-    try:
-        return json.loads(p.read_text()).get("speculators_model_type") == "eagle3"
-    except ValueError:
-        return False
 
 
 UNSUPPORTED = {

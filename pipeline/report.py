@@ -226,8 +226,32 @@ def _distribution_lines(ok: bool, d: dict) -> list[str]:
 
 
 def markdown(results: dict) -> str:
+    lines = _header_lines(results) + _lossless_lines(results)
+    if results.get("engine"):
+        lines += [engine_line(results["engine"]), ""]
+    lines += _draft_tables(results)
+    lines += _gain_lines(results.get("distillation_gain") or {})
+    policy = results["protocol"].get("bandit_policy", "seed")
+    runs = [("Bandit", f"policy: {policy}", results.get("bandit") or {})]
+    runs.append(("Seed bandit", "the seed's policy", results.get("bandit_seed") or {}))
+    for title, policy, per_draft in runs:
+        for draft, b in per_draft.items():
+            if b:
+                lines += _bandit_lines(f"{title} ({draft} draft; {policy})", b)
+    lines += _position_lines(results.get("position_acceptance") or {})
+    if not results["lossless"]:
+        lines += ["## Mismatches", ""] + [f"- {m}" for m in results["mismatches"]] + [""]
+    lines += _near_tie_lines(results)
+    lines += [
+        "Plots: `tokens_per_second.png`, `bandit_arms.png`, `acceptance_by_position.png`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _header_lines(results: dict) -> list[str]:
     env = results["environment"]
-    lines = [
+    return [
         "# Phoenix benchmark",
         "",
         f"Hardware: {env['hardware']}; device {env['device']}, {env['dtype']}, {env['threads']} threads; "
@@ -238,25 +262,30 @@ def markdown(results: dict) -> str:
         "modes taking turns prompt by prompt. All numbers are from one run on this machine.",
         "",
     ]
+
+
+def _lossless_lines(results: dict) -> list[str]:
+    """The lossless verdict: in distribution (the sampled protocol) or token for token."""
     dist = results.get("distribution")
     if dist:
-        lines += _distribution_lines(results["lossless"], dist)
-    else:
-        lines += [
-            f"Lossless: **{'yes' if results['lossless'] else 'NO'}** (every speculative output "
-            f"{'equals' if results['lossless'] else 'must equal'} the target-only output token "
-            "for token"
-            + (
-                f"; {len(results['near_ties'])} near-ties within bench.lossless_margin, listed "
-                "below)."
-                if results.get("near_ties")
-                else ")."
-            ),
-            "",
-        ]
-    if results.get("engine"):
-        lines += [engine_line(results["engine"]), ""]
-    free = [r for r in results["rows"] if r["draft"] == "none"]  # target, ngram_K: no draft
+        return _distribution_lines(results["lossless"], dist)
+    return [
+        f"Lossless: **{'yes' if results['lossless'] else 'NO'}** (every speculative output "
+        f"{'equals' if results['lossless'] else 'must equal'} the target-only output token "
+        "for token"
+        + (
+            f"; {len(results['near_ties'])} near-ties within bench.lossless_margin, listed below)."
+            if results.get("near_ties")
+            else ")."
+        ),
+        "",
+    ]
+
+
+def _draft_tables(results: dict) -> list[str]:
+    """One table of modes per draft; the rows that need no draft (target, ngram_K) in each."""
+    lines: list[str] = []
+    free = [r for r in results["rows"] if r["draft"] == "none"]
     for draft in results["drafts"]:
         rows = free + [r for r in results["rows"] if r["draft"] == draft]
         lines += [
@@ -272,73 +301,77 @@ def markdown(results: dict) -> str:
                 f"{_fmt(r['acceptance_rate'], pct=True)} | {_fmt(r['speedup'])}x |"
             )
         lines.append("")
-    gains = results.get("distillation_gain") or {}
-    if gains:
-        lines += [
-            "## Acceptance gain from distillation",
-            "",
-            "| mode | base | distilled | gain |",
-            "|---|---|---|---|",
-        ]
-        for mode, g in gains.items():
-            lines.append(
-                f"| {mode} | {_fmt(g['base'], pct=True)} | {_fmt(g['distilled'], pct=True)} | "
-                f"{_fmt(g['gain'], pct=True)} |"
-            )
-        lines.append("")
-    policy = results["protocol"].get("bandit_policy", "seed")
-    runs = [("Bandit", f"policy: {policy}", results.get("bandit") or {})]
-    runs.append(("Seed bandit", "the seed's policy", results.get("bandit_seed") or {}))
-    for title, policy, per_draft in runs:
-        for draft, b in per_draft.items():
-            if b:
-                lines += _bandit_lines(f"{title} ({draft} draft; {policy})", b)
-    pos = results.get("position_acceptance") or {}
-    if pos:
-        lines += [
-            "## Acceptance by draft position",
-            "",
-            "| draft | "
-            + " | ".join(f"pos {i + 1}" for i in range(max(len(v) for v in pos.values())))
-            + " |",
-            "|---|" + "---|" * max(len(v) for v in pos.values()),
-        ]
-        for draft, v in pos.items():
-            lines.append(f"| {draft} | " + " | ".join(_fmt(x, pct=True) for x in v) + " |")
-        lines.append("")
-    if not results["lossless"]:
-        lines += ["## Mismatches", ""] + [f"- {m}" for m in results["mismatches"]] + [""]
-    ties = results.get("near_ties") or []
-    if ties:
-        lines += (
-            [
-                f"## Near-ties ({len(ties)}, within bench.lossless_margin {results['lossless_margin']})",
-                "",
-                "Outputs that left the target-only output where the target's own scores for the two "
-                "tokens were within the margin (half-precision rounding), not counted as failures:",
-                "",
-            ]
-            + [
-                f"- {t['draft']}/{t['mode']} prompt {t['prompt_index']}, token {t['position']}: "
-                f"margin {t['margin']:.4f}"
-                for t in ties
-            ]
-            + [""]
-        )
-    lines += [
-        "Plots: `tokens_per_second.png`, `bandit_arms.png`, `acceptance_by_position.png`.",
+    return lines
+
+
+def _gain_lines(gains: dict) -> list[str]:
+    if not gains:
+        return []
+    lines = [
+        "## Acceptance gain from distillation",
         "",
+        "| mode | base | distilled | gain |",
+        "|---|---|---|---|",
     ]
-    return "\n".join(lines)
+    for mode, g in gains.items():
+        lines.append(
+            f"| {mode} | {_fmt(g['base'], pct=True)} | {_fmt(g['distilled'], pct=True)} | "
+            f"{_fmt(g['gain'], pct=True)} |"
+        )
+    return [*lines, ""]
+
+
+def _position_lines(pos: dict) -> list[str]:
+    if not pos:
+        return []
+    longest = max(len(v) for v in pos.values())
+    lines = [
+        "## Acceptance by draft position",
+        "",
+        "| draft | " + " | ".join(f"pos {i + 1}" for i in range(longest)) + " |",
+        "|---|" + "---|" * longest,
+    ]
+    for draft, v in pos.items():
+        lines.append(f"| {draft} | " + " | ".join(_fmt(x, pct=True) for x in v) + " |")
+    return [*lines, ""]
+
+
+def _near_tie_lines(results: dict) -> list[str]:
+    ties = results.get("near_ties") or []
+    if not ties:
+        return []
+    return (
+        [
+            f"## Near-ties ({len(ties)}, within bench.lossless_margin {results['lossless_margin']})",
+            "",
+            "Outputs that left the target-only output where the target's own scores for the two "
+            "tokens were within the margin (half-precision rounding), not counted as failures:",
+            "",
+        ]
+        + [
+            f"- {t['draft']}/{t['mode']} prompt {t['prompt_index']}, token {t['position']}: "
+            f"margin {t['margin']:.4f}"
+            for t in ties
+        ]
+        + [""]
+    )
 
 
 def write_plots(results: dict, records: list[dict], out: Path) -> list[str]:
+    """tokens_per_second.png, bandit_arms.png (where a bandit ran) and
+    acceptance_by_position.png (where drafts guessed) into `out`; returns the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    written = []
+    written = [_plot_throughput(plt, results, out)]
+    written.append(_plot_bandit(plt, results, records, out))
+    written.append(_plot_positions(plt, results.get("position_acceptance") or {}, out))
+    return [name for name in written if name]
+
+
+def _plot_throughput(plt, results: dict, out: Path) -> str:
     rows = results["rows"]
     target = next((r for r in rows if r["mode"] == "target"), None)
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -366,52 +399,56 @@ def write_plots(results: dict, records: list[dict], out: Path) -> list[str]:
     fig.tight_layout()
     fig.savefig(out / "tokens_per_second.png", dpi=110)
     plt.close(fig)
-    written.append("tokens_per_second.png")
+    return "tokens_per_second.png"
 
+
+def _plot_bandit(plt, results: dict, records: list[dict], out: Path) -> str | None:
     bandit = [
         (d, m)
         for d in results["drafts"]
         for m in ("bandit", "bandit_seed")
         if any(r["draft"] == d and r["mode"] == m for r in records)
     ]
-    if bandit:
-        fig, axes = plt.subplots(
-            len(bandit), 1, figsize=(8, 2.6 * len(bandit)), sharex=True, squeeze=False
-        )
-        for ax, (draft, mode) in zip(axes[:, 0], bandit, strict=True):
-            recs = [r for r in records if r["draft"] == draft and r["mode"] == mode]
-            colors = [
-                "tab:grey" if r["warmup"] else ("tab:orange" if r["explored"] else "tab:blue")
-                for r in recs
-            ]
-            names = sorted({str(r["arm"]) for r in recs} | {"0"}, key=_arm_order)
-            ys = [names.index(str(r["arm"])) for r in recs]
-            ax.step(range(1, len(recs) + 1), ys, where="mid", color="lightgrey", zorder=1)
-            ax.scatter(range(1, len(recs) + 1), ys, c=colors, zorder=2, s=25)
-            ax.axvline(sum(r["warmup"] for r in recs) + 0.5, color="grey", linestyle=":")
-            ax.set_ylabel(f"{draft} {mode}: arm")
-            ax.set_yticks(range(len(names)), names)
-        axes[0, 0].set_title(
-            "Bandit: arm per request (grey: warm-up, orange: explored, blue: exploited)"
-        )
-        axes[-1, 0].set_xlabel("request (dotted line: end of warm-up)")
-        fig.tight_layout()
-        fig.savefig(out / "bandit_arms.png", dpi=110)
-        plt.close(fig)
-        written.append("bandit_arms.png")
+    if not bandit:
+        return None
+    fig, axes = plt.subplots(
+        len(bandit), 1, figsize=(8, 2.6 * len(bandit)), sharex=True, squeeze=False
+    )
+    for ax, (draft, mode) in zip(axes[:, 0], bandit, strict=True):
+        recs = [r for r in records if r["draft"] == draft and r["mode"] == mode]
+        colors = [
+            "tab:grey" if r["warmup"] else ("tab:orange" if r["explored"] else "tab:blue")
+            for r in recs
+        ]
+        names = sorted({str(r["arm"]) for r in recs} | {"0"}, key=_arm_order)
+        ys = [names.index(str(r["arm"])) for r in recs]
+        ax.step(range(1, len(recs) + 1), ys, where="mid", color="lightgrey", zorder=1)
+        ax.scatter(range(1, len(recs) + 1), ys, c=colors, zorder=2, s=25)
+        ax.axvline(sum(r["warmup"] for r in recs) + 0.5, color="grey", linestyle=":")
+        ax.set_ylabel(f"{draft} {mode}: arm")
+        ax.set_yticks(range(len(names)), names)
+    axes[0, 0].set_title(
+        "Bandit: arm per request (grey: warm-up, orange: explored, blue: exploited)"
+    )
+    axes[-1, 0].set_xlabel("request (dotted line: end of warm-up)")
+    fig.tight_layout()
+    fig.savefig(out / "bandit_arms.png", dpi=110)
+    plt.close(fig)
+    return "bandit_arms.png"
 
-    pos = results.get("position_acceptance") or {}
-    if pos:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        for draft, v in pos.items():
-            ax.plot(range(1, len(v) + 1), v, marker="o", label=f"{draft} draft")
-        ax.set_xlabel("draft position")
-        ax.set_ylabel("share accepted")
-        ax.set_ylim(0, 1)
-        ax.set_title("Acceptance by draft position")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "acceptance_by_position.png", dpi=110)
-        plt.close(fig)
-        written.append("acceptance_by_position.png")
-    return written
+
+def _plot_positions(plt, pos: dict, out: Path) -> str | None:
+    if not pos:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for draft, v in pos.items():
+        ax.plot(range(1, len(v) + 1), v, marker="o", label=f"{draft} draft")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("share accepted")
+    ax.set_ylim(0, 1)
+    ax.set_title("Acceptance by draft position")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "acceptance_by_position.png", dpi=110)
+    plt.close(fig)
+    return "acceptance_by_position.png"

@@ -4,14 +4,14 @@
 
 Reads <artifacts>/data/train.jsonl, writes <artifacts>/teacher/answers.jsonl (one row per
 task_id, appended and flushed per answer, resumable) and summary.json. The teacher is any
-OpenAI-compatible endpoint (`teacher.url`), or `local`: Phoenix's own server in target-only
-mode, started as a subprocess on a free loopback port and stopped afterwards.
+OpenAI-compatible endpoint (`teacher.url`; its client: `teacher_client.py`), or `local`:
+Phoenix's own server in target-only mode, started as a child process on a free loopback port and
+stopped afterwards (`local_teacher`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import email.utils
 import json
 import logging
 import os
@@ -21,21 +21,18 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import requests
 from tqdm import tqdm
 
 from .config import Config, dump_config
-from .errors import InputError, PhoenixError, TeacherUnavailable
+from .errors import InputError, PhoenixError
 from .subprocs import PREEXEC, free_port, stop
+from .teacher_client import Answer, RetryBudget, TeacherClient
 from .workspace import Workspace, atomic_write_json, atomic_write_text, read_jsonl
 
 log = logging.getLogger(__name__)
-
-RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
 
 
 class TeacherLogprobsMissing(PhoenixError):
@@ -44,252 +41,7 @@ class TeacherLogprobsMissing(PhoenixError):
     exit_code = 2
 
 
-class TeacherRequestError(PhoenixError):
-    """The teacher refused a request in a way retrying cannot fix (a 4xx other than 408/429)."""
-
-    exit_code = 2
-
-
-class RetryBudget:
-    """Retries shared by every request of a stage, so a sick teacher cannot stall it forever."""
-
-    def __init__(self, total: int):
-        self.total = total
-        self.used = 0
-        self._lock = threading.Lock()
-
-    def take(self) -> bool:
-        with self._lock:
-            if self.used >= self.total:
-                return False
-            self.used += 1
-            return True
-
-
-def retry_after_seconds(value: str | None) -> float | None:
-    """Parse Retry-After: delta-seconds or an HTTP date."""
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-        return max(0.0, when.timestamp() - time.time())
-    except (TypeError, ValueError):
-        return None
-
-
-@dataclass
-class Answer:
-    completion: str
-    finish_reason: str
-    completion_tokens: int
-    prompt_tokens: int | None
-    model: str
-    latency_s: float
-    token_ids: list[int] | None = None
-    # With logprobs asked for: per answer token [token, logprob, [[token, logprob], ...top-N]].
-    logprobs: list[list] | None = None
-
-
-class TeacherClient:
-    """One OpenAI-compatible endpoint: readiness wait, chat completions with retries."""
-
-    def __init__(
-        self,
-        base_url: str,
-        api_key: str | None = None,
-        request_timeout_s: float = 300.0,
-        max_retries: int = 5,
-        budget: RetryBudget | None = None,
-        backoff_cap_s: float = 8.0,
-        pool_size: int = 16,
-    ):
-        self.base_url = base_url.rstrip("/")
-        root = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
-        self.health_url = root + "/health"
-        self.request_timeout_s = request_timeout_s
-        self.max_retries = max_retries
-        self.budget = budget or RetryBudget(10**9)
-        self.backoff_cap_s = backoff_cap_s
-        self.cancel = threading.Event()  # set to stop retrying (Ctrl-C, another request failed)
-        self.session = requests.Session()
-        adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=pool_size)
-        self.session.mount("http://", adapter)
-        self.session.mount("https://", adapter)
-        if api_key:
-            self.session.headers["Authorization"] = f"Bearer {api_key}"
-
-    def __repr__(self) -> str:  # never shows the key
-        return f"TeacherClient({self.base_url})"
-
-    # --- readiness ---------------------------------------------------------------------------
-    def wait_ready(self, model: str, timeout_s: float, max_delay_s: float = 4.0) -> None:
-        """Poll /health until 200 (a 404 means the server has none), then /models until it lists
-        `model`. Exponential backoff capped at `max_delay_s`; auth failures fail at once."""
-        deadline = time.monotonic() + timeout_s
-        delay = 0.25
-        last = "no answer yet"
-        health_done = False
-        served: list[str] = []
-        while True:
-            try:
-                if not health_done:
-                    r = self.session.get(self.health_url, timeout=10)
-                    self._fail_on_auth(r)
-                    last = f"GET {self.health_url} -> {r.status_code}"
-                    health_done = r.status_code in (200, 404)
-                if health_done:
-                    r = self.session.get(self.base_url + "/models", timeout=10)
-                    self._fail_on_auth(r)
-                    last = f"GET {self.base_url}/models -> {r.status_code}"
-                    if r.status_code == 404:  # a server that is up, at the wrong path
-                        hint = (
-                            f"; OpenAI-compatible servers serve it under /v1: teacher.url="
-                            f"{self.base_url}/v1"
-                            if not self.base_url.endswith("/v1")
-                            else ""
-                        )
-                        raise TeacherRequestError(
-                            f"teacher has no {self.base_url}/models (404){hint}"
-                        )
-                    if r.status_code == 200:
-                        served = [m.get("id") for m in r.json().get("data", [])]
-                        if model in served:
-                            log.info("teacher ready at %s, serving %s", self.base_url, model)
-                            return
-                        last += f" (serves {served}, not yet {model!r})"
-            except (requests.ConnectionError, requests.Timeout) as exc:
-                last = f"{type(exc).__name__} connecting to {self.base_url}"
-            except (ValueError, AttributeError):
-                last = f"GET {self.base_url}/models -> malformed body"
-            if time.monotonic() + delay > deadline:
-                detail = f"; it serves {served}" if served else ""
-                raise TeacherUnavailable(
-                    f"teacher at {self.base_url} not ready for model {model!r} after {timeout_s:.0f}s "
-                    f"(last: {last}){detail}"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, max_delay_s)
-
-    @staticmethod
-    def _fail_on_auth(r: requests.Response) -> None:
-        if r.status_code in (401, 403):
-            raise TeacherRequestError(
-                f"teacher refused our credentials ({r.status_code}) at {r.url}: set the API key "
-                "environment variable named by teacher.api_key_env"
-            )
-
-    # --- generation --------------------------------------------------------------------------
-    def chat(
-        self,
-        model: str,
-        messages: list[dict],
-        max_tokens: int,
-        temperature: float = 0.0,
-        extra: dict[str, Any] | None = None,
-    ) -> tuple[Answer, int]:
-        """One chat completion; returns the answer and the retries it took."""
-        body = {
-            "model": model,
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            **(extra or {}),
-        }
-        retries = 0
-        while True:
-            t0 = time.perf_counter()
-            wait_s: float | None = None
-            try:
-                r = self.session.post(
-                    self.base_url + "/chat/completions", json=body, timeout=self.request_timeout_s
-                )
-                if r.status_code == 200:
-                    return self._parse(r, model, time.perf_counter() - t0), retries
-                if r.status_code not in RETRYABLE_STATUS:
-                    raise TeacherRequestError(
-                        f"teacher answered {r.status_code} to a chat request: {_error_message(r)}"
-                    )
-                problem = f"HTTP {r.status_code}: {_error_message(r)}"
-                wait_s = retry_after_seconds(r.headers.get("Retry-After"))
-            except (
-                requests.ConnectionError,
-                requests.Timeout,
-                requests.exceptions.ChunkedEncodingError,
-            ) as exc:
-                problem = f"{type(exc).__name__}"
-            except _Malformed as exc:
-                problem = f"malformed response: {exc}"
-            if self.cancel.is_set():
-                raise TeacherUnavailable(
-                    f"teacher request abandoned: the stage is stopping (last: {problem})"
-                )
-            if retries >= self.max_retries or not self.budget.take():
-                raise TeacherUnavailable(
-                    f"teacher request failed after {retries} retries (last: {problem})"
-                )
-            retries += 1
-            if wait_s is None:
-                wait_s = min(self.backoff_cap_s, 0.5 * 2 ** (retries - 1))
-            log.warning("teacher: %s; retry %d in %.1fs", problem, retries, wait_s)
-            time.sleep(wait_s)
-
-    @staticmethod
-    def _parse(r: requests.Response, model: str, latency: float) -> Answer:
-        try:
-            data = r.json()
-            choice = data["choices"][0]
-            content = choice["message"]["content"]
-            if not isinstance(content, str):
-                raise TypeError("content is not a string")
-            usage = data.get("usage") or {}
-            # The answer's exact token ids: Phoenix's `phoenix.token_ids`, vLLM's `token_ids`.
-            ids = (data.get("phoenix") or {}).get("token_ids")
-            if ids is None:
-                ids = choice.get("token_ids")
-            content_lp = (choice.get("logprobs") or {}).get("content")
-            logprobs = None
-            if content_lp is not None:  # [] for an empty answer
-                logprobs = [
-                    [
-                        str(e["token"]),
-                        float(e["logprob"]),
-                        [
-                            [str(x["token"]), float(x["logprob"])]
-                            for x in e.get("top_logprobs") or []
-                        ],
-                    ]
-                    for e in content_lp
-                ]
-            return Answer(
-                completion=content,
-                finish_reason=choice.get("finish_reason") or "stop",
-                completion_tokens=int(usage.get("completion_tokens", len(ids or []))),
-                prompt_tokens=usage.get("prompt_tokens"),
-                model=data.get("model", model),
-                latency_s=latency,
-                token_ids=ids,
-                logprobs=logprobs,
-            )
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise _Malformed(f"{type(exc).__name__}: {exc}") from None
-
-
-class _Malformed(Exception):
-    pass
-
-
-def _error_message(r: requests.Response) -> str:
-    try:
-        return str(r.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return r.text[:300]
-
-
-# --- local teacher ---------------------------------------------------------------------------
+# --- the local teacher -------------------------------------------------------------------------
 def serve_command(config, artifacts, port: int, mode: str, extra: list[str] = ()) -> list[str]:
     """`python -m pipeline serve` on 127.0.0.1:port (the local teacher, the engine benchmark)."""
     return [
@@ -302,9 +54,8 @@ def serve_command(config, artifacts, port: int, mode: str, extra: list[str] = ()
 def local_context(cfg: Config, ws: Workspace, prompts: list[str]) -> int:
     """The context (prompt + answer, tokens) the local teacher needs for `prompts`: the longest
     of them as the server will see it (chat template, `template_kwargs`) plus
-    `teacher.max_tokens`, or `engine.max_context` where that is longer. (`engine.max_context`
-    sizes the bench's compiled caches; with it alone, the 500-prompt run stopped at a prompt of
-    273 tokens: 273 + 256 > 512.)"""
+    `teacher.max_tokens`, or `engine.max_context` where that is longer (the configured context
+    alone may refuse a long training prompt: 273 + 256 answer tokens pass 512)."""
     from . import models, specs  # torch and transformers: only when the local teacher runs
 
     tok = models.load_tokenizer(specs.resolve(cfg.models.target, ws.models_cache))
@@ -494,6 +245,43 @@ def checked_logprobs(answer: Answer, task_id: int, url: str, cfg: Config) -> lis
     return answer.logprobs
 
 
+def request_extra(cfg: Config) -> dict[str, Any]:
+    """The chat request's fields beside model, messages, max_tokens and temperature: template
+    switches, logprobs where kd asks the teacher for them, and the answer's token ids (the local
+    teacher always sends them; vLLM where `teacher.return_token_ids`)."""
+    extra: dict[str, Any] = {}
+    if cfg.template_kwargs():
+        extra["chat_template_kwargs"] = cfg.template_kwargs()
+    n_logprobs = cfg.requested_logprobs()
+    if n_logprobs:
+        extra.update(logprobs=True, top_logprobs=n_logprobs)
+    if cfg.teacher.url == "local":  # Phoenix's own server: the answer's exact token ids too
+        extra["phoenix"] = {"token_ids": True}
+        if n_logprobs:  # and its logprobs' tokens as ids (exact)
+            extra["return_tokens_as_token_ids"] = True
+    elif cfg.teacher.return_token_ids:  # vLLM's field for them (other servers may refuse it)
+        extra["return_token_ids"] = True
+    return extra
+
+
+def answer_row(p: dict, sample: int, temperature: float, answer: Answer) -> dict[str, Any]:
+    """One line of answers.jsonl (without its logprobs)."""
+    row = {
+        "task_id": p["task_id"],
+        **({"sample": sample, "temperature": temperature} if sample else {}),
+        "prompt": p["prompt"],
+        "completion": answer.completion,
+        "finish_reason": answer.finish_reason,
+        "completion_tokens": answer.completion_tokens,
+        "prompt_tokens": answer.prompt_tokens,
+        "model": answer.model,
+        "latency_s": round(answer.latency_s, 4),
+    }
+    if answer.token_ids is not None:
+        row["completion_token_ids"] = answer.token_ids
+    return row
+
+
 def _answer_all(
     cfg: Config,
     ws: Workspace,
@@ -518,18 +306,8 @@ def _answer_all(
     )
     # Phoenix's own child process on loopback is polled often: it is ready within seconds.
     client.wait_ready(model, t.ready_timeout_s, 0.25 if t.url == "local" else 4.0)
-    extra: dict[str, Any] = {}
-    if cfg.template_kwargs():
-        extra["chat_template_kwargs"] = cfg.template_kwargs()
+    extra = request_extra(cfg)
     n_logprobs = cfg.requested_logprobs()
-    if n_logprobs:
-        extra.update(logprobs=True, top_logprobs=n_logprobs)
-    if t.url == "local":  # Phoenix's own server: the answer's exact token ids too
-        extra["phoenix"] = {"token_ids": True}
-        if n_logprobs:  # and its logprobs' tokens as ids (exact)
-            extra["return_tokens_as_token_ids"] = True
-    elif t.return_token_ids:  # vLLM's field for them (other servers may refuse it)
-        extra["return_token_ids"] = True
     ws.teacher.mkdir(parents=True, exist_ok=True)
     lock = threading.Lock()
     t0 = time.perf_counter()
@@ -543,19 +321,7 @@ def _answer_all(
         answer, retries = client.chat(
             model, [{"role": "user", "content": p["prompt"]}], t.max_tokens, temperature, seeded
         )
-        row = {
-            "task_id": p["task_id"],
-            **({"sample": sample, "temperature": temperature} if sample else {}),
-            "prompt": p["prompt"],
-            "completion": answer.completion,
-            "finish_reason": answer.finish_reason,
-            "completion_tokens": answer.completion_tokens,
-            "prompt_tokens": answer.prompt_tokens,
-            "model": answer.model,
-            "latency_s": round(answer.latency_s, 4),
-        }
-        if answer.token_ids is not None:
-            row["completion_token_ids"] = answer.token_ids
+        row = answer_row(p, sample, temperature, answer)
         if n_logprobs:
             row["completion_logprobs"] = checked_logprobs(answer, p["task_id"], url, cfg)
         line = json.dumps(row, ensure_ascii=False) + "\n"

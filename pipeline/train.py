@@ -35,76 +35,6 @@ from .workspace import (
 log = logging.getLogger(__name__)
 
 
-def build_examples(
-    answers: list[dict],
-    tokenizer,
-    template_kwargs: dict,
-    max_length: int,
-    logprobs_width: int | None = None,
-) -> tuple[list[dict], dict[int, tuple]]:
-    """Pre-tokenised prompt+completion rows with a completion mask: the loss sees exactly the
-    teacher's tokens (its own ids when the teacher reported them), plus end-of-turn only when
-    the teacher stopped by itself (an answer cut at max_tokens gets none).
-
-    With `logprobs_width` (kd from the teacher's stored top_logprobs) the answer's tokens are
-    the ones its logprobs name, and the second result holds, per row, the teacher's sparse
-    distribution at each answer token: (ids, logprobs) tensors; the end-of-turn the teacher
-    reports no logprobs for is learnt as a plain label."""
-    eos = tokenizer.eos_token_id
-    id_map = distillation.token_id_map(tokenizer) if logprobs_width else None
-    rows, sparse = [], {}
-    for a in answers:
-        p_ids = a.get("prompt_token_ids") or models.user_prompt_ids(
-            tokenizer, a["prompt"], template_kwargs
-        )  # captured traffic carries its rendered prompt
-        c_ids = a.get("completion_token_ids")
-        tops = None
-        if logprobs_width:
-            c_ids, tops = _logprob_targets(a, tokenizer, id_map)
-        if c_ids is None:
-            c_ids = tokenizer(a["completion"], add_special_tokens=False)["input_ids"]
-        c_ids = list(c_ids)
-        # vLLM's token_ids end with the end-of-turn token, Phoenix's teacher's do not: one each.
-        stop = [eos] if a.get("finish_reason") == "stop" and c_ids[-1:] != [eos] else []
-        c_ids += stop
-        ids = (p_ids + c_ids)[:max_length]
-        mask = ([0] * len(p_ids) + [1] * len(c_ids))[:max_length]
-        if sum(mask) == 0:
-            continue  # prompt alone fills max_length: nothing to learn from
-        if tops is not None:
-            tops = (tops + [[[eos, 0.0]] for _ in stop])[: sum(mask)]
-            sparse[len(rows)] = distillation.stack_sparse(tops, logprobs_width)
-        rows.append({"input_ids": ids, "completion_mask": mask, "row": len(rows)})
-    return rows, sparse
-
-
-def _logprob_targets(a: dict, tokenizer, id_map: dict[str, int]) -> tuple[list[int], list[list]]:
-    """The answer's token ids and top-N [[id, logprob], ...] per token from its stored logprobs,
-    checked against the answer: the tokens must spell it."""
-    lps = a.get("completion_logprobs")
-    if not lps:
-        raise InputError(
-            f"answer task_id {a['task_id']} has no stored logprobs, which train.objective=kd "
-            "with train.kd_source=teacher needs: rerun distill (it asks the teacher again)"
-        )
-    ids = [distillation.token_to_id(tok, id_map) for tok, _, _ in lps]
-    if None in ids or tokenizer.decode(ids) != a["completion"]:
-        raise InputError(
-            f"answer task_id {a['task_id']}: its stored logprob tokens do not match the answer's "
-            f"tokens in the draft's tokenizer (token {ids.index(None) if None in ids else '-'} "
-            "unknown, or the decoded text differs): the teacher's tokenizer must be the draft's"
-        )
-    tops = [
-        [
-            [i, lp]
-            for i, lp in ((distillation.token_to_id(t, id_map), lp) for t, lp in top)
-            if i is not None
-        ]
-        for _, _, top in lps
-    ]
-    return ids, tops
-
-
 def train_inputs(cfg: Config, ws: Workspace) -> dict[str, Any]:
     """What a finished run depends on; a change means training again from scratch."""
     return {
@@ -175,11 +105,6 @@ def _install_model(ws: Workspace, tmp: Path) -> None:
     tmp.rename(final)
 
 
-def pad_id(tok) -> int:
-    """The id batches are padded with (end-of-text where a tokenizer has no pad token)."""
-    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-
-
 def _unreachable(cfg: Config, exc: Exception) -> InputError:
     teacher = (
         "the local teacher" if cfg.teacher.url == "local" else f"the teacher at {cfg.teacher.url}"
@@ -239,8 +164,6 @@ def last_complete_checkpoint(ckpt_dir: Path) -> str | None:
 
 def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dict[str, Any]:
     import torch
-    from datasets import Dataset
-    from trl import SFTConfig
 
     t = cfg.train
     source = cfg.kd_source()
@@ -260,18 +183,93 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
     model.config.use_cache = False
     distillation.add_compact_head(model)  # before PEFT wraps it
     width = t.top_logprobs if source == "teacher" else None
-    rows, sparse = build_examples(answers, tok, cfg.template_kwargs(), t.max_length, width)
+    rows, sparse = distillation.build_examples(
+        answers, tok, cfg.template_kwargs(), t.max_length, width
+    )
     if not rows:
         raise InputError("no usable training examples: every prompt exceeds train.max_length")
-    teacher, precompute_s = None, 0.0
-    if source == "target":
-        teacher = _load_teacher(cfg, target_ref, dtype, device)
-        if t.top_logprobs and t.objective == "kd":  # the same top-N every epoch: computed once
-            t0 = time.perf_counter()
-            sparse = _precompute_top(teacher, rows, t.top_logprobs, pad_id(tok), device)
-            precompute_s = time.perf_counter() - t0
-            teacher = None
-    dataset = Dataset.from_list(rows)
+    teacher, sparse, precompute_s = _target_side(cfg, target_ref, tok, rows, sparse, dtype, device)
+    ckpt_dir = ws.adapter / "checkpoints"
+    trainer = _make_trainer(cfg, model, tok, rows, teacher, sparse, ckpt_dir, on_gpu)
+    resume = last_complete_checkpoint(ckpt_dir)
+    if resume:
+        log.info("train: resuming from %s", resume)
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in trainer.model.parameters())
+    log.info(
+        "train: %s, objective %s%s, %d examples, %d trainable of %d parameters",
+        t.method,
+        t.objective,
+        f" ({t.divergence}, target distribution from the {source})" if source else "",
+        len(rows),
+        trainable,
+        total,
+    )
+    result = trainer.train(resume_from_checkpoint=resume)
+    if not trainer.is_world_process_zero():
+        return {}
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    atomic_write_jsonl(ws.adapter / "train_log.jsonl", history)
+    counted = _save_draft(ws, trainer.model, tok, rows, draft_ref)
+    matches = [h["teacher_match"] for h in history if "teacher_match" in h]
+    metrics = {
+        "method": t.method,
+        "objective": t.objective,
+        "kd_source": source,
+        "teacher_match_last": matches[-1] if matches else None,
+        "base_draft": draft_ref,
+        "examples": len(rows),
+        "completion_tokens": counted["tokens"],
+        "distinct_completion_tokens": len(counted["counts"]),
+        "global_steps": trainer.state.global_step,
+        "resumed_from": resume,
+        "train_loss": result.training_loss,
+        "first_loss": history[0]["loss"] if history else None,
+        "last_loss": history[-1]["loss"] if history else None,
+        "runtime_s": result.metrics.get("train_runtime"),
+        "target_top_s": precompute_s,  # the target's top-N, computed before the first step
+        "trainable_parameters": trainable,
+        "total_parameters": total,
+        "device": "cuda" if on_gpu else "cpu",
+        "world_size": trainer.args.world_size,
+        **_inputs_fields(inputs),
+    }
+    atomic_write_json(ws.adapter / "metrics.json", metrics)
+    log.info(
+        "train: done: loss %s -> %s over %d steps",
+        metrics["first_loss"],
+        metrics["last_loss"],
+        metrics["global_steps"],
+    )
+    return metrics
+
+
+def _target_side(
+    cfg: Config, target_ref: str, tok, rows: list[dict], sparse: dict, dtype: str, device: str
+) -> tuple[Any, dict, float]:
+    """(teacher, sparse, seconds) for the trainer. With kd_source target: the target loaded
+    frozen beside the draft, or, for kd over its top-N (the same every epoch), that top-N
+    computed once instead (no teacher then; the seconds it took). Otherwise unchanged."""
+    t = cfg.train
+    if cfg.kd_source() != "target":
+        return None, sparse, 0.0
+    teacher = _load_teacher(cfg, target_ref, dtype, device)
+    if not (t.top_logprobs and t.objective == "kd"):
+        return teacher, sparse, 0.0
+    t0 = time.perf_counter()
+    sparse = _precompute_top(teacher, rows, t.top_logprobs, pad_id(tok), device)
+    return None, sparse, time.perf_counter() - t0
+
+
+def _make_trainer(
+    cfg: Config, model, tok, rows: list[dict], teacher, sparse: dict, ckpt_dir: Path, on_gpu: bool
+):
+    """TRL's SFTTrainer with Phoenix's objectives (`distillation.make_trainer_class`), over the
+    pre-tokenised rows, checkpointing into `ckpt_dir`; a PEFT LoRA config with method lora."""
+    from datasets import Dataset
+    from trl import SFTConfig
+
+    t = cfg.train
     peft_config = None
     if t.method == "lora":
         from peft import LoraConfig
@@ -283,7 +281,6 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
             target_modules=t.target_modules,
             task_type="CAUSAL_LM",
         )
-    ckpt_dir = ws.adapter / "checkpoints"
     args = SFTConfig(
         output_dir=str(ckpt_dir),
         num_train_epochs=t.epochs,
@@ -308,10 +305,10 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
         dataloader_num_workers=0,
         disable_tqdm=False,
     )
-    trainer = distillation.make_trainer_class()(
+    return distillation.make_trainer_class()(
         model=model,
         args=args,
-        train_dataset=dataset,
+        train_dataset=Dataset.from_list(rows),
         processing_class=tok,
         peft_config=peft_config,
         data_collator=distillation.Collator(pad_id(tok)),
@@ -327,28 +324,14 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
             "eos": models.eos_ids(tok, model),
         },
     )
-    resume = last_complete_checkpoint(ckpt_dir)
-    if resume:
-        log.info("train: resuming from %s", resume)
-    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in trainer.model.parameters())
-    log.info(
-        "train: %s, objective %s%s, %d examples, %d trainable of %d parameters",
-        t.method,
-        t.objective,
-        f" ({t.divergence}, target distribution from the {source})" if source else "",
-        len(rows),
-        trainable,
-        total,
-    )
-    result = trainer.train(resume_from_checkpoint=resume)
-    if not trainer.is_world_process_zero():
-        return {}
-    history = [h for h in trainer.state.log_history if "loss" in h]
-    atomic_write_jsonl(ws.adapter / "train_log.jsonl", history)
+
+
+def _save_draft(ws: Workspace, model, tok, rows: list[dict], draft_ref: str) -> dict:
+    """The trained draft (or adapter), its tokenizer and its token counts into <ws>/adapter/model;
+    returns the counts (`models.write_token_counts`)."""
     tmp = make_temp_dir(ws.adapter, ".model.")
     try:
-        trainer.model.save_pretrained(tmp)
+        model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         counted = models.write_token_counts(  # draft_vocab's (plus the starting draft's own)
             tmp / models.TOKEN_COUNTS, rows, start_from=Path(draft_ref)
@@ -357,54 +340,25 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _install_model(ws, tmp)
-    matches = [h["teacher_match"] for h in history if "teacher_match" in h]
-    metrics = {
-        "method": t.method,
-        "objective": t.objective,
-        "kd_source": source,
-        "teacher_match_last": matches[-1] if matches else None,
-        "base_draft": draft_ref,
-        "examples": len(rows),
-        "completion_tokens": counted["tokens"],
-        "distinct_completion_tokens": len(counted["counts"]),
-        "global_steps": trainer.state.global_step,
-        "resumed_from": resume,
-        "train_loss": result.training_loss,
-        "first_loss": history[0]["loss"] if history else None,
-        "last_loss": history[-1]["loss"] if history else None,
-        "runtime_s": result.metrics.get("train_runtime"),
-        "target_top_s": precompute_s,  # the target's top-N, computed before the first step
-        "trainable_parameters": trainable,
-        "total_parameters": total,
-        "device": "cuda" if on_gpu else "cpu",
-        "world_size": trainer.args.world_size,
-        "inputs": inputs,
-        "inputs_hash": hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16],
-    }
-    atomic_write_json(ws.adapter / "metrics.json", metrics)
-    log.info(
-        "train: done: loss %s -> %s over %d steps",
-        metrics["first_loss"],
-        metrics["last_loss"],
-        metrics["global_steps"],
-    )
-    return metrics
+    return counted
+
+
+def _inputs_fields(inputs: dict) -> dict[str, Any]:
+    """metrics.json's record of what the run depended on (`train_inputs`) and its hash."""
+    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+    return {"inputs": inputs, "inputs_hash": digest}
 
 
 def _train_eagle3(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dict[str, Any]:
     """`python -m pipeline train` with models.draft=eagle3: states, head, export to
     <ws>/adapter/model (the speculators layout), metrics.json last."""
-    import math
-
     import torch
-    from tqdm import tqdm
 
     from . import eagle3
-    from .artifacts import weights_id
 
     t = cfg.train
     ref, tok, target = models.load_target_for_head(cfg, ws)
-    rows, _ = build_examples(answers, tok, cfg.template_kwargs(), t.max_length)
+    rows, _ = distillation.build_examples(answers, tok, cfg.template_kwargs(), t.max_length)
     if not rows:
         raise InputError("no usable training examples: every prompt exceeds train.max_length")
     tmp = make_temp_dir(ws.adapter, ".model.")
@@ -416,33 +370,9 @@ def _train_eagle3(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict)
         torch.manual_seed(t.seed)
         head = eagle3.new_head(target, vocab, tuple(t.eagle3_layers) if t.eagle3_layers else None)
         aux = head.config.aux_layer_ids
-        key = eagle3.states_key(weights_id(ref) or ref, rows, aux)
-        folder = ws.cache / "eagle3" / f"states-{key}"
-        t0 = time.perf_counter()
-        with tqdm(total=len(rows), desc="target hidden states", unit="answer") as bar:
-            shards = eagle3.cache_states(
-                target, rows, aux, pad_id(tok), folder,
-                progress=lambda i, _n: bar.update(i - bar.n),
-            )  # fmt: skip
-        states_s = time.perf_counter() - t0
-        data = eagle3.load_shards(shards)
-        log.info("train: eagle3 head over layers %s, %d rows, states in %s (%.0f s)",
-                 list(aux), len(data), folder, states_s)  # fmt: skip
+        data, states_s = _head_states(ws, ref, tok, target, rows, aux)
         top = (t.top_logprobs or eagle3.KD_TOP) if t.objective == "kd" else 0
-        per_epoch = math.ceil(len(data) / t.batch_size)
-        total = t.max_steps if t.max_steps > 0 else max(1, round(per_epoch * t.epochs))
-        history: list[dict] = []
-        with tqdm(total=total, desc="train eagle3", unit="step") as bar:
-
-            def on_step(step, _n, loss, accs):
-                history.append({"step": step, "loss": loss, "accuracy": accs})
-                bar.set_postfix(loss=f"{loss:.3f}", acc1=f"{accs[0]:.2f}")
-                bar.update(1)
-
-            fit = eagle3.train_head(
-                head, data, total / per_epoch, t.learning_rate, t.batch_size, t.ttt_steps,
-                seed=t.seed, on_step=on_step, top=top,
-            )  # fmt: skip
+        fit, history = _fit_head(cfg, head, data, top)
         eagle3.export(head, tmp / "head", models.verifier_name(cfg, ref),
                list(target.config.architectures or []))  # fmt: skip
         for name in (eagle3.CONFIG_NAME, eagle3.WEIGHTS_NAME):
@@ -475,10 +405,67 @@ def _train_eagle3(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict)
         "trainable_parameters": sum(p.numel() for p in head.parameters()),
         "target_parameters": sum(p.numel() for p in target.parameters()),
         "device": str(next(target.parameters()).device),
-        "inputs": inputs,
-        "inputs_hash": hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16],
+        **_inputs_fields(inputs),
     }
     atomic_write_json(ws.adapter / "metrics.json", metrics)
     log.info("train: eagle3 done: loss %.3f -> %.3f over %d steps (%.0f s)",
              fit["first_loss"], fit["last_loss"], fit["steps"], fit["runtime_s"])  # fmt: skip
     return metrics
+
+
+def _head_states(
+    ws: Workspace, ref: str, tok, target, rows: list[dict], aux: tuple[int, ...]
+) -> tuple[list[dict], float]:
+    """The target's hidden states at the head's aux layers over every row, cached under
+    <ws>/cache/eagle3/ by a key of the target's weights, the rows and the layers; returns them
+    loaded and the seconds they took."""
+    from tqdm import tqdm
+
+    from . import eagle3
+    from .artifacts import weights_id
+
+    key = eagle3.states_key(weights_id(ref) or ref, rows, aux)
+    folder = ws.cache / "eagle3" / f"states-{key}"
+    t0 = time.perf_counter()
+    with tqdm(total=len(rows), desc="target hidden states", unit="answer") as bar:
+        shards = eagle3.cache_states(
+            target, rows, aux, pad_id(tok), folder,
+            progress=lambda i, _n: bar.update(i - bar.n),
+        )  # fmt: skip
+    states_s = time.perf_counter() - t0
+    data = eagle3.load_shards(shards)
+    log.info("train: eagle3 head over layers %s, %d rows, states in %s (%.0f s)",
+             list(aux), len(data), folder, states_s)  # fmt: skip
+    return data, states_s
+
+
+def _fit_head(cfg: Config, head, data: list[dict], top: int) -> tuple[dict, list[dict]]:
+    """The head trained on the cached states (`eagle3.train_head`) for train.max_steps, else
+    train.epochs; returns its figures and the per-step log."""
+    import math
+
+    from tqdm import tqdm
+
+    from . import eagle3
+
+    t = cfg.train
+    per_epoch = math.ceil(len(data) / t.batch_size)
+    total = t.max_steps if t.max_steps > 0 else max(1, round(per_epoch * t.epochs))
+    history: list[dict] = []
+    with tqdm(total=total, desc="train eagle3", unit="step") as bar:
+
+        def on_step(step, _n, loss, accs):
+            history.append({"step": step, "loss": loss, "accuracy": accs})
+            bar.set_postfix(loss=f"{loss:.3f}", acc1=f"{accs[0]:.2f}")
+            bar.update(1)
+
+        fit = eagle3.train_head(
+            head, data, total / per_epoch, t.learning_rate, t.batch_size, t.ttt_steps,
+            seed=t.seed, on_step=on_step, top=top,
+        )  # fmt: skip
+    return fit, history
+
+
+def pad_id(tok) -> int:
+    """The id batches are padded with (end-of-text where a tokenizer has no pad token)."""
+    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

@@ -95,8 +95,8 @@ def test_settings_that_cannot_work_are_refused(sets, words):
 def _gap_to_target(art, draft_dir, kind, n=6) -> float:
     """Mean divergence(target, draft) over the answer tokens of the first n training answers."""
     cfg = load_config("configs/ci.yaml")
+    from pipeline.distillation import build_examples
     from pipeline.teacher import load_answers
-    from pipeline.train import build_examples
     from pipeline.workspace import Workspace
 
     ws = Workspace(art)

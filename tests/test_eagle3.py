@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import eagle3, models, train
-from pipeline.speculative.eagle3 import HeadCache, config_from_target, default_aux_layers
+from pipeline import distillation, eagle3, models, train
+from pipeline.speculative.eagle3 import HeadCache
+from pipeline.speculative.eagle3_config import config_from_target, default_aux_layers
 from tests.conftest import target_greedy
 
 
@@ -193,7 +194,7 @@ def _rows(tok, n=6):
          f"    return x + {i}\n", "finish_reason": "stop"}
         for i in range(n)
     ]  # fmt: skip
-    rows, _ = train.build_examples(answers, tok, {}, 128)
+    rows, _ = distillation.build_examples(answers, tok, {}, 128)
     return rows
 
 

@@ -9,11 +9,11 @@ import pytest
 import yaml
 
 from pipeline.errors import TeacherUnavailable
-from pipeline.teacher import (
+from pipeline.teacher import load_answers
+from pipeline.teacher_client import (
     RetryBudget,
     TeacherClient,
     TeacherRequestError,
-    load_answers,
     retry_after_seconds,
 )
 from tests.conftest import CI, ROOT, copy_workspace, run_cli

@@ -8,7 +8,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from pipeline.train import build_examples
+from pipeline.distillation import build_examples
 from tests.conftest import CI, copy_workspace, run_main
 from tests.fake_hub import FakeHub
 

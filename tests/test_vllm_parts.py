@@ -9,7 +9,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from pipeline import loadtest, vllm
+from pipeline import loadtest, vllm, vllm_tune
 from pipeline.metrics import Metrics
 from pipeline.serving.heap import GCPauses
 
@@ -38,14 +38,15 @@ def test_the_schedule_takes_the_best_k_per_batch_size_range():
         2: {1: 20.6, 2: 33.0, 4: 50.0, 8: 58.7, 16: 60.0},
         4: {1: 15.6, 2: 34.0, 4: 45.0, 8: 44.5, 16: 50.0},
     }
-    schedule = vllm.best_schedule(table)
+    schedule = vllm_tune.best_schedule(table)
     assert schedule == [[1, 1, 2], [2, 3, 4], [4, 1024, 0]]
-    assert [vllm.k_for(schedule, b) for b in (1, 2, 3, 4, 9, 5000)] == [2, 4, 4, 0, 0, 0]
-    assert vllm.best_schedule({0: {1: 5.0}, 2: {1: 5.0}}) == [[1, 1024, 0]]  # a tie: the smaller
+    assert [vllm_tune.k_for(schedule, b) for b in (1, 2, 3, 4, 9, 5000)] == [2, 4, 4, 0, 0, 0]
+    tie = {0: {1: 5.0}, 2: {1: 5.0}}
+    assert vllm_tune.best_schedule(tie) == [[1, 1024, 0]]  # a tie: the smaller
     ngram = {0: table[0], 4: {1: 18.0, 2: 31.0, 4: 50.0, 8: 60.0, 16: 80.0}}
-    assert vllm.choose_method({"draft": table, "ngram": ngram}) == ("draft", schedule)
+    assert vllm_tune.choose_method({"draft": table, "ngram": ngram}) == ("draft", schedule)
     slow = {k: {c: t / 2 for c, t in row.items()} for k, row in table.items() if k}
-    assert vllm.choose_method({"draft": {0: table[0], **slow}, "ngram": ngram}) == (
+    assert vllm_tune.choose_method({"draft": {0: table[0], **slow}, "ngram": ngram}) == (
         "ngram",
         [[1, 3, 4], [4, 1024, 0]],
     )
@@ -59,9 +60,9 @@ def test_the_schedule_takes_the_best_k_per_batch_size_range():
 
 def test_a_win_within_the_margin_is_not_worth_speculating():
     table = {0: {1: 36.2, 2: 66.6, 8: 158.5}, 1: {1: 35.9, 2: 68.5, 8: 172.0}}
-    assert vllm.best_schedule(table) == [[1, 1, 0], [2, 1024, 1]]
-    assert vllm.best_schedule(table, margin=0.03) == [[1, 7, 0], [8, 1024, 1]]  # 68.5: +2.9%
-    assert vllm.best_schedule(table, margin=0.10) == [[1, 1024, 0]]
+    assert vllm_tune.best_schedule(table) == [[1, 1, 0], [2, 1024, 1]]
+    assert vllm_tune.best_schedule(table, margin=0.03) == [[1, 7, 0], [8, 1024, 1]]  # 68.5: +2.9%
+    assert vllm_tune.best_schedule(table, margin=0.10) == [[1, 1024, 0]]
 
 
 def test_the_verdict_compares_the_schedule_with_every_fixed_arm():
@@ -69,12 +70,12 @@ def test_the_verdict_compares_the_schedule_with_every_fixed_arm():
         return {"points": {c: {"tokens_per_second": t} for c, t in zip((1, 8), tps, strict=True)}}
 
     results = {"arms": {"0": arm(36.0, 160.0), "ngram:2": arm(40.0, 130.0)}}
-    assert vllm.schedule_verdict(results) is None  # no schedule sweep yet
+    assert vllm_tune.schedule_verdict(results) is None  # no schedule sweep yet
     results["arms"]["schedule"] = arm(42.0, 152.0)
-    verdict = vllm.schedule_verdict(results)
+    verdict = vllm_tune.schedule_verdict(results)
     assert verdict == {"vs_best_fixed": 152.0 / 160.0, "vs_no_speculation": 152.0 / 160.0}
     results["arms"]["schedule"] = arm(38.0, 161.0)
-    assert vllm.schedule_verdict(results)["vs_best_fixed"] == 38.0 / 40.0
+    assert vllm_tune.schedule_verdict(results)["vs_best_fixed"] == 38.0 / 40.0
 
 
 def test_spec_counters_read_vllm_and_phoenix_names_alike():

@@ -4,8 +4,8 @@ A served process holds several hundred thousand Python objects that live as long
 the models' modules and transformers' and torch's tables, and with `engine.compile` the compiled
 graphs' code, guards and symbolic shapes. CPython's cyclic collector walks every one of them in
 each full (oldest-generation) collection, holding the GIL, so the step loop and every row in it
-wait it out: 402,000 objects and 155 ms a collection with the embedded default served eager,
-1,345,000 and 620 ms with its pass compiled (Intel Xeon; `python -m benchmarks.gc_heap`).
+wait it out (hundreds of milliseconds a collection on the embedded default: docs/serving.md,
+`python -m benchmarks.gc_heap`).
 
 `freeze()` runs once the server is warm, before /health turns 200, as vLLM's engine core does
 after its start-up (`freeze_gc_heap`): a full collection, then `gc.freeze()`, which moves every

@@ -40,12 +40,12 @@ class Mode:
 
     @property
     def name(self) -> str:
-        """The transaction and bench row name: target, fixed_K, ngram_K, bandit."""
+        """The transaction and bench row name: target, fixed_K, eagle_K, ngram_K, bandit."""
         return self.arm.name if self.kind == "arm" else self.kind
 
     @property
     def spec(self) -> str:
-        """As a request writes it: target, fixed:K, ngram:K, bandit."""
+        """As a request writes it: target, fixed:K, eagle:K, ngram:K, bandit."""
         if self.kind != "arm":
             return self.kind
         return f"fixed:{self.k}" if self.arm.strategy == "draft" else str(self.arm)
@@ -59,7 +59,8 @@ def fixed(arm) -> Mode:
 
 def parse_mode(text: str, arms: list[str], has_draft: bool, has_head: bool = False) -> Mode:
     """A request's (or the config's) mode: target, bandit, or one of `arms` as fixed:K / draft:K
-    (the draft model) or ngram:K (also written fixed_K, ngram_K)."""
+    (the draft model), eagle:K (the EAGLE-3 head) or ngram:K (also written fixed_K, eagle_K,
+    ngram_K). Bandit needs at least one speculative arm this engine can run."""
     text = text.strip()
     arms = canonical(arms)
     runnable = [a for a in arms if usable(a, has_draft, has_head)]
@@ -68,7 +69,10 @@ def parse_mode(text: str, arms: list[str], has_draft: bool, has_head: bool = Fal
         return Mode("target")
     if text == "bandit":
         if not any(a != "0" for a in runnable):
-            raise ModeError("mode 'bandit' needs a draft model or an ngram arm, and has neither")
+            raise ModeError(
+                "mode 'bandit' needs a speculative arm it can run (draft:K with a draft model, "
+                "eagle:K with an EAGLE-3 head, or ngram:K), and has none"
+            )
         return Mode("bandit")
     try:
         arm = parse_arm(text.replace("_", ":", 1))

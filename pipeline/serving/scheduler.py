@@ -6,9 +6,8 @@ result, with `Cancelled` (cancelled before it joined), or with the error that fa
 two steps the loop runs the calls it was asked to (`call`: a draft swap), drops the rows whose
 caller cancelled (they finish with the output so far), and lets waiting jobs join up to the
 batch's room, in order; if more arrived during that prefill, they join too before the step (a
-burst of requests joins whole: its first arrival does not step alone while the rest wait, which
-cost a burst an extra step and the others' time to first token a step; once a turn, so a stream
-of arrivals cannot hold the running rows back). A step that raises fails the rows in it (the
+burst of requests joins whole, rather than its first arrival stepping alone while the rest
+wait; once a turn, so a stream of arrivals cannot hold the running rows back). A step that raises fails the rows in it (the
 error is handed to each) and the loop goes on with the jobs that come next; a prefill that
 raises fails its joiners only.
 
@@ -16,15 +15,14 @@ raises fails its joiners only.
 turns 503 past `server.stuck_after_s`).
 
 One thread runs the models. A thread that has run a parallel torch op keeps an OpenMP thread
-pool for the rest of its life, and with more pooled threads alive than cores (two pools on these
-2 cores) libgomp stops its workers spinning between parallel regions: every region then waits
-on a wake-up, and the same target pass measured 1.6-1.75x slower (one token: 39-41 against
-67-71 ms; Intel Xeon, bf16; `benchmarks/loop_arms.py --pools`). So the loop's thread is the
-only one that runs torch while it lives: a scheduler made with `start=False` runs its calls and steps on the
-caller's thread (`drain`) until `start()` (the server calibrates on the thread that loaded the
-models, then starts the loop; the bench, one request at a time, never starts it), and other
-torch work beside a running loop goes to a thread that ends when it is done (`apart`: a draft
-reload's loading).
+pool for the rest of its life, and with more pooled threads alive than cores libgomp stops its
+workers spinning between parallel regions, so every region waits on a wake-up (a target pass
+measured far slower: docs/serving.md, `benchmarks/loop_arms.py --pools`). So the loop's thread
+is the only one that runs torch while it lives: a scheduler made with `start=False` runs its
+calls and steps on the caller's thread (`drain`) until `start()` (the server calibrates on the
+thread that loaded the models, then starts the loop; the bench, one request at a time, never
+starts it), and other torch work beside a running loop goes to a thread that ends when it is
+done (`apart`: a draft reload's loading).
 """
 
 from __future__ import annotations

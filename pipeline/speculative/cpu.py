@@ -1,13 +1,10 @@
 """CPU matmul shapes that decoding needs, chosen by measuring this CPU: the loader applies them.
 
 A decoding step runs every linear layer over a few rows (1 for a plain step, k+1 for a verify,
-one per running request in a batch). BLAS libraries pick their kernel by shape, and on the CPUs
-here the pick at a few rows can be far from the memory bound, differently per CPU model:
-  - AMD EPYC with AVX-512 (2026-11-30): `x @ W.T` at 2-8 rows took about twice one row's time;
-    `W @ x.T` took 22-34 ms for SmolLM2-135M's linears at 2-5 rows (`benchmarks/matmul_rows.py`);
-  - AMD EPYC with AVX2 only (2026-12-03): `x @ W.T` at one row took 72 ms, `W @ x.T` with the
-    row doubled 46 ms; bf16 `x @ W.T` at one row 27 ms but 330 ms at 16 rows.
-So nothing is assumed: `choose_linears` times both forms on the model's own weights, per bucket
+one per running request in a batch). BLAS libraries pick their kernel by shape, and at a few
+rows the pick can be far from the memory bound, differently per CPU model (on one, `x @ W.T` at
+2-8 rows took twice one row's time; on another, one row took longer than two through `W @ x.T`:
+docs/measurements.md, `benchmarks/matmul_rows.py`). So nothing is assumed: `choose_linears` times both forms on the model's own weights, per bucket
 of rows (1, 2, 3-4, 5-8, 9-16, 17-32), in the model's dtype, and `use_linears` routes the model's
 linear layers through the faster one per bucket (`W @ x.T` is fed two rows at least: one row
 would take the gemv path again). Past 32 rows, and with grad enabled (training), layers stay

@@ -1,6 +1,7 @@
 """EAGLE-3 draft head: one decoder layer that drafts from the target's own hidden states.
 
-Pure torch: tensors in, tensors out; no files (export and loading are `pipeline/eagle3.py`'s).
+Pure torch: tensors in, tensors out; no files (export and loading are `pipeline/eagle3.py`'s;
+the head's config, from a target's: `eagle3_config.py`).
 
 The head (Li et al. 2025, EAGLE-3; the layout vllm-project/speculators saves and vLLM's
 `llama_eagle3` serves):
@@ -32,86 +33,13 @@ import itertools
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .eagle3_config import Eagle3Config
 from .sampling import greedy_ids
-
-
-@dataclass(frozen=True)
-class Eagle3Config:
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    vocab_size: int  # the target's
-    draft_vocab_size: int
-    aux_layer_ids: tuple[int, ...]
-    max_position_embeddings: int = 4096
-    hidden_act: str = "silu"
-    target_layers: int = 0  # the target's decoder layers (the aux ids index them)
-    extra: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["aux_layer_ids"] = list(self.aux_layer_ids)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Eagle3Config:
-        d = dict(d)
-        d["aux_layer_ids"] = tuple(d["aux_layer_ids"])
-        return cls(**d)
-
-
-def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's low/middle/high depths as vLLM picks them: 2, L // 2, L - 3, ascending. vLLM
-    taps each layer once, so where those coincide (a target of under 7 layers) the first,
-    middle and last layer instead; a target of under 3 layers repeats one (a head only Phoenix
-    serves: merge says so)."""
-    low, mid, high = min(2, n_layers - 1), n_layers // 2, max(0, n_layers - 3)
-    if len({low, mid, high}) < 3 and n_layers >= 3:
-        low, high = 0, n_layers - 1
-    return tuple(sorted((low, mid, high)))
-
-
-def rope_theta_of(cfg) -> float:
-    """A transformers config's RoPE base (transformers 5 keeps it in `rope_parameters`)."""
-    params = getattr(cfg, "rope_parameters", None) or {}
-    if isinstance(params, dict) and "rope_theta" in params:
-        return float(params["rope_theta"])
-    return float(getattr(cfg, "rope_theta", 10000.0))
-
-
-def config_from_target(
-    tcfg, draft_vocab: int, aux_layers: tuple[int, ...] | None = None
-) -> Eagle3Config:
-    """The head's config for a target (a transformers config): its widths, heads and RoPE."""
-    n = tcfg.num_hidden_layers
-    aux = tuple(sorted(aux_layers or default_aux_layers(n)))  # ascending, as vLLM sorts them
-    if len(aux) != 3 or any(not 0 <= a < n for a in aux):
-        raise ValueError(f"eagle3 reads three target layers in [0, {n}), got {list(aux)}")
-    heads = tcfg.num_attention_heads
-    return Eagle3Config(
-        hidden_size=tcfg.hidden_size,
-        num_attention_heads=heads,
-        num_key_value_heads=getattr(tcfg, "num_key_value_heads", heads) or heads,
-        head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads,
-        intermediate_size=tcfg.intermediate_size,
-        rms_norm_eps=float(getattr(tcfg, "rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta_of(tcfg),
-        vocab_size=tcfg.vocab_size,
-        draft_vocab_size=min(draft_vocab or tcfg.vocab_size, tcfg.vocab_size),
-        aux_layer_ids=aux,
-        max_position_embeddings=getattr(tcfg, "max_position_embeddings", 4096),
-        target_layers=n,
-    )
 
 
 class RMSNorm(nn.Module):
@@ -169,8 +97,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class HeadCache:
     """One sequence's keys and values in the head's layer: [1, kv heads, positions, head dim],
     the first `length` positions of buffers that grow by doubling, so a step's append writes
-    only its new positions (a `torch.cat` per append copied the whole cache every step, every
-    row)."""
+    only its new positions, not the whole cache."""
 
     def __init__(self):
         self.k: torch.Tensor | None = None  # [1, kv heads, capacity, head dim]
@@ -253,9 +180,6 @@ class Eagle3Head(nn.Module):
             raise RuntimeError("the eagle3 head has no embedding: attach the target's")
         with torch.no_grad():  # the target's, frozen: no gradient into its 49k rows
             return e(ids).to(self.fc.weight.dtype)
-
-    def attach_embedding(self, embed: nn.Module) -> None:
-        self._embed[0] = embed
 
     # -- the layer, in parts ----------------------------------------------------------------
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -437,10 +361,8 @@ class Eagle3Head(nn.Module):
         """Every job's fresh states (job: seq, fresh, cache, k, choose) in one pass: the dense
         parts over all rows' new positions flattened ([1, sum of reads]), attention row by row
         over each row's own cache, the scores at each row's last position only. Returns the
-        logits there [rows, V_d] and the pre-norm outputs [rows, 1, H]. (One pass per row
-        before: at 4 rows of eagle:2 on the embedded default the head took 9-10 ms a step,
-        about a quarter of the target's pass, most of it four reads of 1-3 states each; and a
-        read scored every state it read, where only the last one's guess is used.)"""
+        logits there [rows, V_d] and the pre-norm outputs [rows, 1, H]: only the last
+        position's guess is used, so only it is scored."""
         dev = self.fc.weight.device
         fuse, qkv, out = self._parts()
         ids: list[int] = []
@@ -490,9 +412,8 @@ class Eagle3Head(nn.Module):
             kk, vv = c.append(k[row : row + 1], v[row : row + 1])
             n = kk.shape[2]
             keys[row, :, :n], values[row, :, :n], mask[row, ..., :n] = kk[0], vv[0], True
-        # Grouped-query heads read their kv head in place (`enable_gqa`): expanding the keys and
-        # values per head copied them three times over (1.2 against 0.4 ms an attention call at
-        # 16 rows on the Intel Xeon's CPU).
+        # Grouped-query heads read their kv head in place (`enable_gqa`): no per-head copies of
+        # the keys and values (docs/measurements.md).
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return out(attn, residual)
 

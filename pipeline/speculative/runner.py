@@ -2,8 +2,7 @@
 Qwen3, Mistral without a sliding window), as vLLM writes its own model code.
 
 transformers' forward runs about forty small operations per layer around the matmuls, plus mask
-and keyword plumbing; on a 2-core CPU a one-token step of SmolLM2-135M spent a third of its time
-outside the matmuls. This forward does the same arithmetic in a handful of operations a layer:
+and keyword plumbing, a large share of a one-token step on a CPU. This forward does the same arithmetic in a handful of operations a layer:
 one matmul for q, k and v together (their weights fused into one tensor, the model's own
 parameters becoming views of it, so no memory is added), one for gate and up, fused RMSNorm
 (`F.rms_norm`), rotary tables computed once per position, the keys and values written straight
@@ -20,10 +19,9 @@ one row or one token a row is padded by the cache's spare row (`RowCache.padded`
 cache's rows and capacity are marked dynamic. Only passes over every row in slot order take the
 graph (every step does; a joiner's prefill over some of the rows runs eager), and once warm a
 shape the graph cannot take runs eager rather than compile in a request (`stance`). On a CPU
-inductor freezes the weights and times its own GEMM kernels against ATen's (max-autotune): on
-the Intel Xeon with AMX that ran the pass 1.35-1.65x faster than eager, the server's
-target-only tokens/s 1.4-1.5x (docs/measurements.md, 2026-12-07), after about three minutes
-of compiling at every start (a graph, one more with an EAGLE-3 head's taps, the draft's).
+inductor freezes the weights and times its own GEMM kernels against ATen's (max-autotune), at
+the price of minutes of compiling at every start (a graph, one more with an EAGLE-3 head's taps,
+the draft's); what it wins depends on the CPU (docs/measurements.md).
 """
 
 from __future__ import annotations
@@ -116,10 +114,9 @@ class _Pass(torch.nn.Module):
     """A runner's pass as one module whose parameters are the runner's weights (shared, not
     copied), so that `torch.compile` sees them as weights: on a CPU, inductor's freezing folds
     them into the graph as constants, and max-autotune times its own CPU GEMM kernels (AMX or
-    AVX-512 micro-kernels) against ATen's for each matmul and keeps the faster. Measured on the
-    Intel Xeon (AMX), a chain of the embedded target's matmuls at 2-40 rows ran 1.7-2.0x as
-    fast that way as the best eager form (docs/measurements.md). The matmul form `cpu.py`
-    chooses is left out (inductor chooses), and the head stays outside (eager)."""
+    AVX-512 micro-kernels) against ATen's for each matmul and keeps the faster (see
+    docs/measurements.md). The matmul form `cpu.py` chooses is left out (inductor chooses), and
+    the head stays outside (eager)."""
 
     def __init__(self, run: LeanRunner):
         super().__init__()
