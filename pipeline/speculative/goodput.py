@@ -90,8 +90,6 @@ class GoodputBandit(EpsilonGreedy):
             return None  # a position this arm guesses at was never measured
         elig, prop, acc = st[:top], st[top : 2 * top], st[2 * top :]
         tokens = 1 + sum(acc[i] / elig[i] for i in range(k))
-        # The whole batch's step, per number of guesses (class docstring), and the other rows'
-        # proposals.
         cost, last = context.others_drafting, 1.0  # last: the share that guessed j or more
         for j in range(k + 1):
             more = min(last, prop[j] / elig[j]) if j < k else 0.0  # ... j + 1 or more
@@ -104,12 +102,10 @@ class GoodputBandit(EpsilonGreedy):
         return (tokens_o + tokens) / max(cost, 1e-9)
 
     def seed(self, prior: dict[str, tuple[list, list, list]], rounds: float) -> list[str]:
-        """Start from acceptance measured elsewhere (the bench: `drafts.bench_prior`).
-        `prior[key]`: (rounds that could guess at position i, proposed at i, accepted at i) per
-        strategy key (`_key`: `eagle`, `ngram@2`, ...), scaled to weigh at most `rounds` rounds
-        (the counts decay as live rounds come, so live requests soon outweigh it). Keys with
-        figures already (a restored state) and strategies no arm uses are left alone. Returns
-        the keys seeded."""
+        """Start from acceptance measured elsewhere (`drafts.bench_prior`). `prior[key]`:
+        (rounds that could guess at position i, proposed at i, accepted at i) per strategy key
+        (`_key`), scaled to weigh at most `rounds` rounds. Keys with figures already and
+        strategies no arm uses are left alone. Returns the keys seeded."""
         used = {strategy_of(a) for a in self.arms}
         seeded = []
         with self._lock:
@@ -127,10 +123,9 @@ class GoodputBandit(EpsilonGreedy):
         return seeded
 
     def _known(self, arm, context: Context) -> bool:
-        """Whether `arm` needs no warm-up pull at this context: a speculative arm whose
-        acceptance is known (a prior, or earlier requests) and whose every cost the loop has
-        measured (a step at least as long as it feeds; the draft pass or the head, if it uses
-        one). Plain is always pulled: the drift guard compares with it."""
+        """Whether `arm` needs no warm-up pull: a speculative arm whose acceptance is known and
+        whose every cost is measured (a step as long as it feeds; its draft or head pass).
+        Plain is always pulled: the drift guard compares with it."""
         s, k = strategy_of(arm), int(str(arm).partition(":")[2] or 0)
         if not s or k == 0 or self.predict(arm, context) is None:
             return False
@@ -184,11 +179,9 @@ class GoodputBandit(EpsilonGreedy):
         return best if strategy_of(best) else None
 
     def guesses(self, arm, temperature: float = 0.0) -> list[tuple[float, float]] | None:
-        """What a row of `arm` guesses and commits a step if it may guess at most j tokens,
-        for j = 0..k: [(guesses fed, tokens committed), ...] from its strategy's acceptance
-        at this temperature (until measured there, the greedy figures), as far as its positions
-        were measured. None: plain, or not even its first position measured. Read under the
-        lock (`step_values`)."""
+        """[(guesses fed, tokens committed) a step at cap j], j = 0.. as far as `arm`'s
+        acceptance at this temperature was measured (else the greedy figures). None: plain, or
+        not even its first position measured. Call under the lock."""
         s, k = strategy_of(arm), int(str(arm).partition(":")[2] or 0)
         if not s or k == 0:
             return None
@@ -237,15 +230,13 @@ class GoodputBandit(EpsilonGreedy):
         return [min(k, cap if plans[i] else 0) if i in plans else k for i, k in enumerate(full)]
 
     def _reaches(self, arm, k: int, temperature: float) -> bool:
-        """Under the lock: whether `arm`'s acceptance is measured at its first `k` positions at
-        this temperature (`guesses`)."""
+        """Under the lock: whether `arm`'s acceptance is measured at its first `k` positions."""
         plan = self.guesses(arm, temperature)
         return plan is not None and len(plan) > min(k, self.top)
 
     def step_values(self, rows: list[StepRow], step_cost, draft_cost=None, head_cost=None):
-        """The predicted goodput of a step of `rows` with the adaptive rows capped at c, for c
-        in 0..their largest k (`step_caps`), and each adaptive row's `guesses` (None: not
-        known)."""
+        """([predicted goodput of the step with adaptive rows capped at c, c = 0..largest k],
+        {adaptive row index: its `guesses`})."""
         with self._lock:
             plans = {i: self.guesses(r.arm, r.temperature) for i, r in enumerate(rows)
                      if r.adaptive and r.k > 0}  # fmt: skip
@@ -283,16 +274,13 @@ class GoodputBandit(EpsilonGreedy):
 
     def margin(self, rows: int) -> float:
         """How far a guess must be predicted to beat plain beside other rows: `speculate_margin`
-        at 2 rows, and `margin_per_row` more for every row past two: the prediction errs more
-        the more rows a step holds, and towards guessing (docs/serving.md). A near-tie goes to
-        plain: a wrong guess costs every row beside it."""
+        at 2 rows, plus `margin_per_row` for every row past two (docs/serving.md)."""
         return self.speculate_margin + self.margin_per_row * max(0, rows - 2)
 
     def _allowed(self, values: dict, context: Context) -> list:
         """The arms a request may get. Alone: all. Beside other rows: plain, and the speculative
-        arms predicted to beat plain by `margin(rows)`; no arm is explored there whose
-        acceptance is unknown (it does not depend on the load: warm-up pulls learn it, their
-        rows let guess by the gate, `step_caps`)."""
+        arms predicted to beat plain by `margin(rows)` (an unknown one is never explored there:
+        warm-up pulls learn it)."""
         plain = next((a for a in self.arms if not strategy_of(a)), None)
         if context.rows <= 1 or plain is None or values.get(plain) is None:
             return list(self.arms)
@@ -304,12 +292,10 @@ class GoodputBandit(EpsilonGreedy):
         return Decision(arm, explored, warmup, eps, shown, dict(self.counts))
 
     def update(self, arm, reward, context=None, acceptance=None, weight=1.0, positions=None):
-        """As the plausible policy's, plus `positions`: (rounds that could guess at each
-        position, proposed at each, accepted at each) of the request, which teach its
-        strategy's acceptance (a number for the first: every position, as many rounds; per
-        position, because a row capped below its k by the gate could not guess past the cap).
-        A speculative arm whose acceptance still does not reach its k goes back on `rewarm`,
-        to be pulled again (`step_caps`, learners)."""
+        """As the plausible policy's, plus `positions`: the request's (rounds that could guess
+        at each position, or one number for all; proposed at each; accepted at each), which
+        teach its strategy's acceptance. A speculative arm whose acceptance still does not reach
+        its k goes back on `rewarm` (`step_caps`, learners)."""
         super().update(arm, reward, context, acceptance, weight)
         s, k = strategy_of(arm), int(str(arm).partition(":")[2] or 0)
         if not s or k == 0:
