@@ -85,7 +85,7 @@ class Decision:
 
 class EpsilonGreedy:
     """Thread-safe epsilon-greedy bandit with an injected RNG. Its defaults are the `bandit`
-    config section's (tested); servers build it from the config (`serving.make_bandit`)."""
+    config section's (tested); servers build it from the config (`serving.policy.make_bandit`)."""
 
     def __init__(
         self,

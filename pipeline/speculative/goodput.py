@@ -45,7 +45,8 @@ class GoodputBandit(EpsilonGreedy):
     greedy figures) and decays by `decay` per round. Where plain wins beside other rows but a
     speculative arm would win alone, the request gets that arm (`Decision.deferred`) and the
     per-step gate (`step_caps`) caps its guesses. Warm-up and exploration are the plausible
-    policy's, exploring only arms within `explore_margin` of the best prediction. Without the
+    policy's, exploring only arms within `explore_margin` of the best prediction (or not yet
+    predicted). Without the
     loop's figures in the context: the plausible policy. Rationale: docs/serving.md."""
 
     def __init__(
@@ -200,7 +201,7 @@ class GoodputBandit(EpsilonGreedy):
         return out
 
     def step_caps(self, rows: list[StepRow], step_cost, draft_cost=None, head_cost=None):
-        """The most tokens each row of a step may guess, asked every step. Alone, or without the
+        """The most tokens each row of a step may guess (the step loop's gate). Alone, or without the
         loop's figures: each row its arm's k. Beside other rows: one cap c for the adaptive rows
         together, the c in 0..k maximising
 
