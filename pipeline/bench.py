@@ -10,7 +10,8 @@ draft), fixed_K for K in `bench.fixed_arms`, bandit (fresh state per run by defa
 base (before training) and distilled (<artifacts>/merged).
 Every speculative output must equal the target-only output, token for token (exit 4 if not).
 The sampled protocol (`bench.temperature` > 0): every request samples, seeded by its prompt, and
-the check is in distribution instead (`DistributionCheck`; exit 4 if it fails). Writes <artifacts>/bench/results.json, report.md and PNG plots.
+the check is in distribution instead (`DistributionCheck`; exit 4 if it fails).
+Writes <artifacts>/bench/results.json, report.md and PNG plots.
 """
 
 from __future__ import annotations

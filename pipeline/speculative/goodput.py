@@ -38,7 +38,8 @@ class GoodputBandit(EpsilonGreedy):
                                                 Q_s[k] = 0): priced per number of guesses j
         draft(s:k)  = k * (D(m + 1) - D(m)) for draft, k * (H(m + 1) - H(m)) for eagle
                                                 (m: the other rows sharing the pass; m = 0: D(1))
-        goodput     = (R_o + tokens) / (step + P_o + draft)   (arm 0: (R_o + 1) / (S(F_o + 1) + P_o))
+        goodput     = (R_o + tokens) / (step + P_o + draft)
+                                                (arm 0: (R_o + 1) / (S(F_o + 1) + P_o))
 
     P_o: what the other rows' proposals add to every step (`drafting_seconds`). Acceptance is
     learnt per strategy, position and temperature bucket (an unmeasured bucket borrows the
@@ -46,8 +47,8 @@ class GoodputBandit(EpsilonGreedy):
     speculative arm would win alone, the request gets that arm (`Decision.deferred`) and the
     per-step gate (`step_caps`) caps its guesses. Warm-up and exploration are the plausible
     policy's, exploring only arms within `explore_margin` of the best prediction (or not yet
-    predicted). Without the
-    loop's figures in the context: the plausible policy. Rationale: docs/serving.md."""
+    predicted). Without the loop's figures in the context: the plausible policy. Rationale:
+    docs/serving.md."""
 
     def __init__(
         self, arms, rng, *args, explore_margin: float = 0.1, decay: float = 0.998,
@@ -201,9 +202,9 @@ class GoodputBandit(EpsilonGreedy):
         return out
 
     def step_caps(self, rows: list[StepRow], step_cost, draft_cost=None, head_cost=None):
-        """The most tokens each row of a step may guess (the step loop's gate). Alone, or without the
-        loop's figures: each row its arm's k. Beside other rows: one cap c for the adaptive rows
-        together, the c in 0..k maximising
+        """The most tokens each row of a step may guess (the step loop's gate). Alone, or
+        without the loop's figures: each row its arm's k. Beside other rows: one cap c for the
+        adaptive rows together, the c in 0..k maximising
 
             goodput(c) = sum_r tokens_r(c) / (S(sum_r (1 + guesses_r(c))) + H + D)
 

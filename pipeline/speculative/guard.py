@@ -19,8 +19,9 @@ class DriftGuard:
     window holds `min_samples` and its mean is below the plain window's mean by more than
     `margin` (a fraction), the guard falls back for `cooldown` requests (`hold()` is then True),
     then clears the speculative window and probes (`probe()` is then True: the caller runs the
-    best speculative arm by the bandit's means): the next `min_samples` speculative requests either recover (event "recovered") or fall back
-    again with twice the cool-down (at most 8x). Thread-safe; events are returned to the caller."""
+    best speculative arm by the bandit's means): the next `min_samples` speculative requests
+    either recover (event "recovered") or fall back again with twice the cool-down (at most
+    8x). Thread-safe; events are returned to the caller."""
 
     window: int = 8
     margin: float = 0.2
