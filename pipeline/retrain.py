@@ -144,7 +144,7 @@ def run(cfg: Config, root: Path, telemetry, resume: str | None = None) -> dict[s
             "retrain: %s run %s in %s", "resuming" if resuming else "starting", run_id, ws.root
         )
         on_traffic = cfg.retrain.data == "traffic"
-        since = online_start(cfg, root, ws) if on_traffic else 0.0
+        since = online_start(root, ws) if on_traffic else 0.0
         stage_cfg = run_config(cfg, root)
         steps = {
             "split": (lambda: traffic.split_stage(stage_cfg, ws, root, since))
@@ -240,7 +240,7 @@ def promote_or_reject(cfg: Config, root: Path, ws: Workspace, run_id: str) -> di
     return decision
 
 
-def online_start(cfg: Config, root: Path, ws: Workspace) -> float:
+def online_start(root: Path, ws: Workspace) -> float:
     """retrain.data=traffic: the watermark this run starts from (the promoted run's newest
     traffic; 0 before any), fixed in the run's folder at its start."""
     marker = ws.root / TRAFFIC_SINCE
@@ -279,7 +279,7 @@ def run_config(cfg: Config, root: Path) -> Config:
 
 def traffic_answers(cfg: Config, ws: Workspace) -> dict[str, Any]:
     tok = models.load_tokenizer(specs.resolve(cfg.models.target, ws.models_cache))
-    return traffic.answers_stage(cfg, ws, tok)
+    return traffic.answers_stage(ws, tok)
 
 
 def enough_traffic(cfg: Config, root: Path) -> tuple[bool, str]:

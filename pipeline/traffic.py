@@ -256,7 +256,7 @@ def split_stage(cfg: Config, ws: Workspace, root: Path, since: float) -> dict[st
     return summary
 
 
-def answers_stage(cfg: Config, ws: Workspace, tokenizer) -> dict[str, Any]:
+def answers_stage(ws: Workspace, tokenizer) -> dict[str, Any]:
     """retrain's distill on traffic: the captured outputs are the answers (no teacher call)."""
     rows = []
     for x in (json.loads(line) for line in ws.train_file.read_text().splitlines() if line):

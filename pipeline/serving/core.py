@@ -1,12 +1,9 @@
 """The serving core: a `Request` in, a `CoreResult` out, every request on one step loop.
 
-Shared by the HTTP server (which includes the local teacher) and the bench, so a number the
-bench measures is a number the server delivers; `make_core` builds every core, with the
-config's bandit settings. The hand-off (`submit`): the policy picks the request's arm with the
-batch in view (bandit mode; a fixed mode runs its arm), the text tracker turns its tokens into
-final text and stop strings, and the scheduler runs it beside every other request. At the end the
-request's goodput teaches the policy, and its `future` gets the result. Knows modes, text and
-stop strings; knows nothing of HTTP.
+Shared by the HTTP server, the local teacher and the bench (`make_core` builds every core).
+`submit`: the policy picks the arm (bandit mode; a fixed mode runs its arm), the text tracker
+turns tokens into final text and stop strings, the scheduler runs the row; at the end the
+request's goodput teaches the policy and its `future` gets the result. Knows nothing of HTTP.
 """
 
 from __future__ import annotations
@@ -156,13 +153,9 @@ class ServingCore:
         )
 
     def _gate(self, rows: list) -> list[int]:
-        """The scheduler's per-step gate: how many tokens each row may guess at this batch.
-        Judged again when a row joins or leaves, else every `GATE_EVERY` steps (a judgement
-        every step costs about 1% of a step to say the same "none" step after step:
-        docs/measurements.md). The caps bound guesses only (each row's own k and budget
-        still apply): a greedy row's output is the target's whatever they are, a sampled row's
-        is drawn from the target's distribution (its draws, as ever, depend on what it
-        guessed)."""
+        """The scheduler's per-step gate: how many tokens each row may guess at this batch,
+        judged again when a row joins or leaves, else every `GATE_EVERY` steps. The caps bound
+        guesses only, so outputs stay the target's (greedy) or its distribution (sampled)."""
         batch = self.scheduler.batch
         if not batch.cost.seen:
             return [r.k_eff for r in rows]
@@ -176,10 +169,9 @@ class ServingCore:
         return caps
 
     def calibrate(self, tokens: int = 16) -> None:
-        """Before serving: time one short generation alone per arm of the bandit (each K: an
-        EAGLE-3 head's passes grow with K, so a curve timed at one K misprices the others) and
-        plain, so the goodput policy prices arms whose acceptance it knows (a bench prior,
-        a restored state) without warm-up requests (`RowBatch.calibrate`)."""
+        """Before serving: time one short generation alone per arm of the bandit (every K) and
+        plain, so the goodput policy can price arms whose acceptance it knows without warm-up
+        requests (`RowBatch.calibrate`)."""
         arms = sorted({parse_arm(a) for a in self.policy.arms} | {parse_arm(0)},
                       key=lambda a: (a.k > 0, str(a)))  # fmt: skip
         prompt = self.chat_prompt_ids([{"role": "user", "content": CALIBRATION_PROMPT}])
@@ -237,8 +229,6 @@ class ServingCore:
             # A reward earned (even in part) on a draft swapped out since is not the new one's.
             stale = arm.needs_draft and job.epoch != self.draft_epoch
             if decision is not None and not cancelled and not stale:
-                # The drift guard compares with plain at the load the request ran at (its mean
-                # batch), by the step costs measured now.
                 load = max(1, round(res.batch_rows))
                 cost = self.scheduler.batch.cost.curve(load)
                 out.guard_event = self.policy.reward(decision, out, context, cost, load)

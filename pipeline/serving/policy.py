@@ -1,22 +1,11 @@
 """The arm per request, with the batch in view: the bandit's choice, the drift guard, the
-bandit's state on disk. No threads, no models; time comes from an injected clock, so tests run
-on fake time.
+bandit's state on disk. No threads, no models; time comes from an injected clock.
 
-`choose(context)`: the drift guard may hold a bandit request to plain generation (or make it
-probe the best speculative arm after a cool-down); otherwise the bandit chooses
-(`bandit.policy`: `speculative.goodput`, `.contextual`, `.bandit`). The context carries the batch the request joins: its
-rows and the step loop's measured step costs.
-
-`reward(...)`: a finished bandit request teaches the bandit its goodput (`CoreResult.goodput`:
-tokens over what it cost the batch; alone, its own tokens/s) and the acceptance it saw per
-position. The drift guard judges the same figure relative to what plain generation would have
-delivered at that load (`plain_rate`), so requests at different loads compare. A reward earned on
-a draft swapped out since is dropped. The state file is written at most every `save_every_s`
-(and at `save()`), never once per request on the scheduler's thread. It records the weights
-ids (`artifacts.weights_id`) of the draft model and of the EAGLE-3 head: restored with other
-weights (a new merge, `server.draft` or `models.head` changed), the arms that run on them start
-over, as on a hot swap, and a bench prior for the new weights applies; n-gram and plain arms
-keep theirs.
+`choose`: the drift guard may hold a bandit request plain (or probe after a cool-down), else the
+bandit (`bandit.policy`) chooses. `reward`: a finished request teaches the bandit its goodput
+and per-position acceptance, and the guard judges it against `plain_rate` at its load. The state
+file is written at most every `save_every_s`, with the weights ids of the draft model and the
+head it measured: restored beside other weights, their arms start over (as on a hot swap).
 """
 
 from __future__ import annotations
@@ -153,11 +142,9 @@ class Policy:
         rows: int | None = None,
     ) -> dict | None:  # fmt: skip
         """Teach the bandit one finished request (`result`: its CoreResult, chosen in
-        `context`); returns the drift guard's event, if any. The guard judges the request's
-        goodput against plain's at the load it ran at: `rows`, its mean batch (default the
-        context's: what it joined), and `step_cost`, the step loop's measured curve for that
-        many rows now (default the context's): judged at the load it joined, a request that
-        arrived alone and then ran beside others would read far above plain."""
+        `context`); returns the drift guard's event, if any. The guard judges its goodput
+        against plain's at the load it ran at: `rows`, its mean batch, and `step_cost`, the
+        curve for that many rows (defaults: the context's, the load it joined)."""
         res = result.result
         reward = result.goodput
         weight = max(res.cost_s or res.latency_s, 1e-6)  # an arm's mean: its tokens over its time

@@ -8,8 +8,7 @@ An arm says how a request drafts:
                last n tokens (n = 3, 2, 1) in prompt + output; free, no model pass;
   - `eagle:K`  an EAGLE-3 head guesses K tokens from the target's own hidden states (the
                step loop only: it reads them from each verify pass).
-Verification, counting and losslessness are the engine's and the same for every strategy. An
-arm's canonical text (`str(arm)`) is its id everywhere: config, bandit state, bench records,
+An arm's canonical text (`str(arm)`) is its id everywhere: config, bandit state, bench records,
 responses, metrics.
 """
 

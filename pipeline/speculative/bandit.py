@@ -13,7 +13,7 @@ incrementally: r_a <- r_a + (r - r_a) / n_a.
 `plausible`, and the goodput policy's fallback where it has no step costs) explores only among
 arms that could still be the best: those whose mean plus `z` standard errors reaches the best
 arm's mean (an arm with one reward uses the arms' pooled spread; without one, and with no
-reward, it qualifies). Arms that are clearly slower stop costing exploration time.
+reward, it qualifies).
 
 The other policies: `goodput.GoodputBandit` (`goodput`, the config's default) and
 `contextual.ContextualBandit` (`contextual`); the drift guard is `guard.DriftGuard`.
@@ -85,7 +85,7 @@ class Decision:
 
 class EpsilonGreedy:
     """Thread-safe epsilon-greedy bandit with an injected RNG. Its defaults are the `bandit`
-    config section's (tested); servers build it from the config (`serving.make_bandit`)."""
+    config section's (tested); servers build it from the config (`serving.policy.make_bandit`)."""
 
     def __init__(
         self,

@@ -21,13 +21,10 @@ per-row caches, `rows.RowCache`) and leave when they finish, are cancelled or fa
 A row asking for logprobs gets, per committed token, the target's log-probability and its top
 alternatives, from the same pass (`sampling.top_logprobs`).
 
-Cost: a step is timed whole (proposals, target pass, acceptance and rollback), less the
-proposals priced apart (a draft model's and a head's passes, each timed against the rows it
-drafted for in its own `StepCost`) and the caller's per-token callbacks: `cost` against tokens
-fed. The step's time is split among its rows (time = a + b * tokens fed, fitted online; a row's
-share = a / rows + b * its tokens, scaled so the shares sum to the step). A row's `cost_s` is
-its prefill plus its shares plus its proposals: `tokens / cost_s` is what its arm cost the batch
-(the policy's reward, goodput); with one row the share is the whole step.
+Cost: a step is timed whole, less the proposals priced apart (their own `StepCost`s) and the
+caller's callbacks, into `cost` against tokens fed, and split among its rows by
+`StepCost.shares` (a / rows + b * its tokens). A row's `cost_s` is its prefill plus its shares
+plus its proposals: `tokens / cost_s` is what its arm cost the batch (the policy's reward).
 """
 
 from __future__ import annotations
@@ -252,10 +249,9 @@ class RowBatch:
         gate: Callable[[list[Row]], list[int]] | None = None,
     ) -> list[tuple[Row, str]]:
         """One step over every row. `on_tokens(row)` runs for each row that committed tokens;
-        True ends it (a stop string, a caller gone). `gate(rows)`, if given, says per row
-        the most tokens it may guess this step (its `k_eff` set: what its arm and budget
-        allow); it binds the `adaptive` rows only (a bandit's choice, where a fixed arm is the
-        caller's): a row capped at 0 runs this step as a plain row.
+        True ends it (a stop string, a caller gone). `gate(rows)`, if given, says per row the
+        most tokens it may guess this step (rows' `k_eff` set by arm and budget); it binds the
+        `adaptive` (bandit) rows only: a row capped at 0 runs this step as a plain row.
         Returns `(row, finish_reason)` for the rows that finished ("stop": end-of-turn or
         `on_tokens`; "length": budget or context), which have left the batch. After an
         exception the caller fails every row (`reset`)."""
@@ -292,8 +288,7 @@ class RowBatch:
                 finished.append((r, "length"))
         for r, _ in finished:
             self.leave(r)
-        # The whole step but the proposals priced apart and the caller's callbacks (text work
-        # per committed token, whatever the arm): what a token fed costs every row.
+        # The whole step but the proposals priced apart and the caller's callbacks.
         step_s = time.perf_counter() - t0 - drafting_s - callbacks_s
         self.cost.observe(sum(fed), step_s, len(rows))
         rest = max(0.0, step_s - sum(owns))

@@ -1,11 +1,7 @@
 """The contextual policy (`bandit.policy: contextual`): the plausible policy with values per
-context cell. Pure: arms and rewards, no models.
-
-The caller passes a `Context` to `choose` and `update`; each arm's value in a context cell
-(prompt-length bucket x load bucket x that arm's strategy's recent-acceptance bucket x
-temperature bucket) is its mean there shrunk towards its global mean,
-(n_c m_c + w m) / (n_c + w), so a cell with few rewards behaves like the context-free policy
-and warm-up stays one pull per arm.
+context cell (prompt-length x load x the arm's strategy's recent acceptance x temperature
+bucket): an arm's mean in the cell shrunk towards its global mean, (n_c m_c + w m) / (n_c + w),
+so a cell with few rewards behaves like the context-free policy. Pure: arms and rewards.
 """
 
 from __future__ import annotations

@@ -17,19 +17,11 @@ class StepCost:
     """A step's time against its size `n` (tokens fed, or rows drafted for). Pure.
 
     Two readings of the same steps: `curve()`, an exponentially weighted mean (n, seconds) per
-    size bucket (`BUCKETS`), which the policy reads as a piecewise-linear curve (on a CPU a
-    pass costs about the same from 1 to a few tokens, then grows with every token: one line
-    through both regimes is wrong at both ends); and `coefficients()`, a least-squares line
-    a + b * n over every step, which splits a step among its rows (`shares`).
-
-    `curve(rows)`: the same, for steps of that many rows (bucketed): a step's time is not a
-    function of tokens fed alone (attention lays every row out to the longest feed). Past the
-    largest size measured at that many rows, the curve goes on with the all-rows curve's
-    increments: an optimistic guess, so a load where nobody guessed yet is tried, measured,
-    and from then on priced by what it measured. Below the smallest, in proportion to the
-    all-rows curve: a pessimistic guess for guessing (plain is priced lower, so a load measured
-    only guessing is tried plain, and measured; in proportion, so it never reaches 0). The
-    measurements behind both: docs/measurements.md."""
+    size bucket (`BUCKETS`), read as a piecewise-linear curve; `coefficients()`, a least-squares
+    line a + b * n over every step, which splits a step among its rows (`shares`).
+    `curve(rows)`: the same for steps of that many rows (bucketed), continued past its largest
+    size by the all-rows curve's increments (optimistic: an unmeasured load gets tried) and
+    below its smallest in proportion to the all-rows curve (never 0). Why: docs/serving.md."""
 
     BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
     BUCKET_DECAY = 0.9  # a bucket follows its own recent steps (the machine's load changes)
@@ -176,13 +168,10 @@ def head_rows(rows) -> float:
 
 
 def drafting_seconds(rows, draft_cost, head_cost) -> float:
-    """Seconds a step of the step loop's `rows` (`batch.Row`) spends on their proposals, from
-    the loop's curves (`Context.draft_cost`, `head_cost`; None: not measured, 0): the draft
-    model's rows share one batched pass per position, each over the rows still guessing, and
-    so do the EAGLE-3 rows (their reads of their states are one pass over them all, their
-    first guess; `Eagle3Head.draft_many`); prompt lookup is free. Each row's guesses per step
-    are its own mean so far, over every step (not stepped yet: its k): a row the gate holds
-    back in most steps adds little."""
+    """Seconds a step of `rows` (`batch.Row`) spends on proposals, from the loop's curves (None:
+    not measured, 0): draft-model rows share one batched pass per position over the rows still
+    guessing, and so do EAGLE-3 rows (`Eagle3Head.draft_many`); prompt lookup is free. A row's
+    guesses per step: its own mean so far (not stepped yet: its k)."""
 
     def guesses(r) -> float:
         return r.proposed / r.rounds if r.rounds else float(r.arm.k)

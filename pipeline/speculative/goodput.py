@@ -27,56 +27,28 @@ class StepRow:
 class GoodputBandit(EpsilonGreedy):
     """The arm with the best predicted goodput at the load the request joins (policy `goodput`).
 
-    Goodput is what the batch commits per second. A request joins a batch whose other rows feed
-    F_o tokens and commit R_o tokens a step (the context's; without them, rows - 1 plain rows:
-    F_o = R_o = rows - 1). With the step loop's measured curves (S(x): a whole step, proposals,
-    target pass and acceptance, draft passes excepted, feeding x tokens; D(m): a draft pass for
-    m rows; H(m): an EAGLE-3 head pass for m rows; `step_seconds`), arm s:k is predicted at
+    Goodput: what the batch commits per second with this row in it. The other rows feed F_o and
+    commit R_o tokens a step (default: rows - 1 plain rows). With the loop's curves (`cost.py`:
+    S(x) a step feeding x tokens, D(m) a draft pass for m rows, H(m) a head pass), arm s:k is
 
-        tokens(s:k) = 1 + sum_{i<k} P_s[i]       P_s[i]: share of s's rounds that could guess
-                                                  at position i whose guesses 1..i+1 were all
-                                                  accepted
+        tokens(s:k) = 1 + sum_{i<k} P_s[i]     P_s[i]: share of rounds able to guess at i whose
+                                                guesses 1..i+1 were all accepted
         step(s:k)   = sum_{j<=k} (Q_s[j-1] - Q_s[j]) * S(F_o + 1 + j)
-                                                  Q_s[i]: share of them that guessed there
-                                                  (Q_s[-1] = 1, Q_s[k] = 0): the step
-                                                  priced per number of guesses j
-        draft(s:k)  = [s = draft] * k * (D(1) if no other row drafts, else D(m + 1) - D(m))
-                      + [s = eagle] * k * (H(1) if no other row uses the head, else
-                                           H(m + 1) - H(m))
-                                                  (the eagle rows read their states in one
-                                                  pass, then share a pass per guess; m: the
-                                                  other eagle rows weighted by the share of
-                                                  steps they guess in, `head_rows`)
+                                                Q_s[i]: share that guessed there (Q_s[-1] = 1,
+                                                Q_s[k] = 0): priced per number of guesses j
+        draft(s:k)  = k * (D(m + 1) - D(m)) for draft, k * (H(m + 1) - H(m)) for eagle
+                                                (m: the other rows sharing the pass; m = 0: D(1))
         goodput     = (R_o + tokens) / (step + P_o + draft)
-                                                  (arm 0: (R_o + 1) / (S(F_o + 1) + P_o))
+                                                (arm 0: (R_o + 1) / (S(F_o + 1) + P_o))
 
-    with P_o what the other rows' proposals add to every step (`drafting_seconds`: a row beside
-    an EAGLE-3 row waits for its head whatever it runs itself).
-
-    The step is priced per number of guesses, not at the mean feed: a pass's time is flat for
-    a few tokens, then grows, and prompt lookup guesses all its k or none (no match).
-
-    Where plain wins beside other rows but a speculative arm would win alone, the request
-    still gets that arm (`Decision.deferred`), and the step loop's gate (`step_caps`) caps its
-    guesses each step at what pays at that batch: none, or fewer than its k, at a full batch;
-    all of them once the batch has thinned towards the request alone. A plain arm is for the
-    request's whole life; deferred, the gate judges the rows guessing together, which is the
-    batch's choice.
-
-    This is the batch's goodput with this row in it: a row's guesses are charged at their
-    marginal cost, the time they add to every row's step. Alone (R_o = F_o = 0), drafting pays
-    as far as acceptance carries it; beside n - 1 plain rows the row's extra tokens are a 1/n
-    gain to the batch, against what its guesses add to the whole step, so where a pass grows
-    with every token the policy drafts less as rows grow, then not at all. Acceptance is learnt
-    per strategy, position and temperature bucket from every request (it does not depend on the
-    load, nor on k for a greedy proposer; it falls as the temperature rises: a bucket not
-    measured yet borrows the greedy figures), so what one client taught holds at sixteen, with
-    no exploration per load. The counts decay (`decay` per round) so a drifting draft is
-    followed. Warm-up and exploration are the plausible policy's: every arm in turn, then with
-    probability epsilon an arm whose prediction is within `explore_margin` of the best (an arm
-    predicted clearly slower at this load is never explored there). Without the loop's figures
-    in the context it falls back to the measured means (plausible policy). The measurements
-    behind these choices: docs/measurements.md."""
+    P_o: what the other rows' proposals add to every step (`drafting_seconds`). Acceptance is
+    learnt per strategy, position and temperature bucket (an unmeasured bucket borrows the
+    greedy figures) and decays by `decay` per round. Where plain wins beside other rows but a
+    speculative arm would win alone, the request gets that arm (`Decision.deferred`) and the
+    per-step gate (`step_caps`) caps its guesses. Warm-up and exploration are the plausible
+    policy's, exploring only arms within `explore_margin` of the best prediction (or not yet
+    predicted). Without the loop's figures in the context: the plausible policy. Rationale:
+    docs/serving.md."""
 
     def __init__(
         self, arms, rng, *args, explore_margin: float = 0.1, decay: float = 0.998,
@@ -120,8 +92,6 @@ class GoodputBandit(EpsilonGreedy):
             return None  # a position this arm guesses at was never measured
         elig, prop, acc = st[:top], st[top : 2 * top], st[2 * top :]
         tokens = 1 + sum(acc[i] / elig[i] for i in range(k))
-        # The whole batch's step, per number of guesses (class docstring), and the other rows'
-        # proposals.
         cost, last = context.others_drafting, 1.0  # last: the share that guessed j or more
         for j in range(k + 1):
             more = min(last, prop[j] / elig[j]) if j < k else 0.0  # ... j + 1 or more
@@ -134,12 +104,10 @@ class GoodputBandit(EpsilonGreedy):
         return (tokens_o + tokens) / max(cost, 1e-9)
 
     def seed(self, prior: dict[str, tuple[list, list, list]], rounds: float) -> list[str]:
-        """Start from acceptance measured elsewhere (the bench: `drafts.bench_prior`).
-        `prior[key]`: (rounds that could guess at position i, proposed at i, accepted at i) per
-        strategy key (`_key`: `eagle`, `ngram@2`, ...), scaled to weigh at most `rounds` rounds
-        (the counts decay as live rounds come, so live requests soon outweigh it). Keys with
-        figures already (a restored state) and strategies no arm uses are left alone. Returns
-        the keys seeded."""
+        """Start from acceptance measured elsewhere (`drafts.bench_prior`). `prior[key]`:
+        (rounds that could guess at position i, proposed at i, accepted at i) per strategy key
+        (`_key`), scaled to weigh at most `rounds` rounds. Keys with figures already and
+        strategies no arm uses are left alone. Returns the keys seeded."""
         used = {strategy_of(a) for a in self.arms}
         seeded = []
         with self._lock:
@@ -157,10 +125,9 @@ class GoodputBandit(EpsilonGreedy):
         return seeded
 
     def _known(self, arm, context: Context) -> bool:
-        """Whether `arm` needs no warm-up pull at this context: a speculative arm whose
-        acceptance is known (a prior, or earlier requests) and whose every cost the loop has
-        measured (a step at least as long as it feeds; the draft pass or the head, if it uses
-        one). Plain is always pulled: the drift guard compares with it."""
+        """Whether `arm` needs no warm-up pull: a speculative arm whose acceptance is known and
+        whose every cost is measured (a step as long as it feeds; its draft or head pass).
+        Plain is always pulled: the drift guard compares with it."""
         s, k = strategy_of(arm), int(str(arm).partition(":")[2] or 0)
         if not s or k == 0 or self.predict(arm, context) is None:
             return False
@@ -214,11 +181,9 @@ class GoodputBandit(EpsilonGreedy):
         return best if strategy_of(best) else None
 
     def guesses(self, arm, temperature: float = 0.0) -> list[tuple[float, float]] | None:
-        """What a row of `arm` guesses and commits a step if it may guess at most j tokens,
-        for j = 0..k: [(guesses fed, tokens committed), ...] from its strategy's acceptance
-        at this temperature (until measured there, the greedy figures), as far as its positions
-        were measured. None: plain, or not even its first position measured. Read under the
-        lock (`step_values`)."""
+        """[(guesses fed, tokens committed) a step at cap j], j = 0.. as far as `arm`'s
+        acceptance at this temperature was measured (else the greedy figures). None: plain, or
+        not even its first position measured. Call under the lock."""
         s, k = strategy_of(arm), int(str(arm).partition(":")[2] or 0)
         if not s or k == 0:
             return None
@@ -237,33 +202,20 @@ class GoodputBandit(EpsilonGreedy):
         return out
 
     def step_caps(self, rows: list[StepRow], step_cost, draft_cost=None, head_cost=None):
-        """The most tokens each row of a step may guess (the step loop asks every step, as
-        SmartSpec and vLLM's dynamic speculation choose the draft length by the batch). Alone,
-        or without the loop's figures: each row its arm's k (the arm was chosen for it).
-        Beside other rows, one cap c for the adaptive rows (the bandit's) together, the c in
-        0..k with the best predicted goodput of the whole step,
+        """The most tokens each row of a step may guess (the step loop's gate). Alone, or
+        without the loop's figures: each row its arm's k. Beside other rows: one cap c for the
+        adaptive rows together, the c in 0..k maximising
 
             goodput(c) = sum_r tokens_r(c) / (S(sum_r (1 + guesses_r(c))) + H + D)
 
-        with S the step curve (at the mean feed, except that a prompt-lookup row guesses all
-        its j or none, so the step is priced per number of its guesses, as `predict` does),
-        H and D the head's and the draft model's shared passes (`shared_passes`) over the
-        rows' guesses; an adaptive row at cap c guesses and
-        commits what its strategy's acceptance predicts for min(k, c) guesses (`guesses`), a
-        fixed row what it has so far. c > 0 must beat c = 0 by `margin(rows)`: a wrong guess
-        costs every row. Together, because the rows share the passes (an EAGLE-3 head pass
-        costs about the same for one row as for four); one cap, because more guesses a row
-        cost every row at a full batch.
+        (S per number of guesses for prompt-lookup rows, which guess all or none; H, D the
+        shared passes, `shared_passes`; adaptive rows priced by `guesses`, fixed rows at what
+        they fed so far). c > 0 must beat c = 0 by `margin(rows)`.
 
-        Learners: an adaptive row whose strategy's acceptance does not reach its k at its
-        temperature (`guesses`: never measured, or not that far) cannot be priced, and capped
-        it would teach nothing. The first `learners` such rows of a step (in row order: the
-        earliest joined) guess their whole k, priced as fixed rows at what they fed so far; any
-        others sit out that step. Such rows come from warm-up pulls (`rewarm`: a swapped
-        draft's arms first of all), and an arm whose request left its acceptance short of its
-        k goes back on `rewarm` (`update`). Bound: at most `learners` rows a step guess
-        unpriced; after a swap, with bandit requests joining one at a time, the new draft's
-        acceptance is measured within `warmup_pulls` x (forgotten arms) bandit requests that
+        Learners: an adaptive row whose acceptance does not reach its k (`_reaches`) cannot be
+        priced; the first `learners` such rows (row order) guess their whole k, priced as fixed
+        rows, the others get 0. Bound: at most `learners` unpriced rows a step; after a swap,
+        the new draft is measured within `warmup_pulls` x (forgotten arms) bandit requests that
         guess in at least one step, whatever the load."""
         full = [r.k for r in rows]
         if len(rows) <= 1 or step_cost is None:
@@ -280,15 +232,13 @@ class GoodputBandit(EpsilonGreedy):
         return [min(k, cap if plans[i] else 0) if i in plans else k for i, k in enumerate(full)]
 
     def _reaches(self, arm, k: int, temperature: float) -> bool:
-        """Under the lock: whether `arm`'s acceptance is measured at its first `k` positions at
-        this temperature (`guesses`)."""
+        """Under the lock: whether `arm`'s acceptance is measured at its first `k` positions."""
         plan = self.guesses(arm, temperature)
         return plan is not None and len(plan) > min(k, self.top)
 
     def step_values(self, rows: list[StepRow], step_cost, draft_cost=None, head_cost=None):
-        """The predicted goodput of a step of `rows` with the adaptive rows capped at c, for c
-        in 0..their largest k (`step_caps`), and each adaptive row's `guesses` (None: not
-        known)."""
+        """([predicted goodput of the step with adaptive rows capped at c, c = 0..largest k],
+        {adaptive row index: its `guesses`})."""
         with self._lock:
             plans = {i: self.guesses(r.arm, r.temperature) for i, r in enumerate(rows)
                      if r.adaptive and r.k > 0}  # fmt: skip
@@ -326,16 +276,13 @@ class GoodputBandit(EpsilonGreedy):
 
     def margin(self, rows: int) -> float:
         """How far a guess must be predicted to beat plain beside other rows: `speculate_margin`
-        at 2 rows, and `margin_per_row` more for every row past two: the prediction errs more
-        the more rows a step holds, and towards guessing (docs/serving.md). A near-tie goes to
-        plain: a wrong guess costs every row beside it."""
+        at 2 rows, plus `margin_per_row` for every row past two (docs/serving.md)."""
         return self.speculate_margin + self.margin_per_row * max(0, rows - 2)
 
     def _allowed(self, values: dict, context: Context) -> list:
         """The arms a request may get. Alone: all. Beside other rows: plain, and the speculative
-        arms predicted to beat plain by `margin(rows)`; no arm is explored there whose
-        acceptance is unknown (it does not depend on the load: warm-up pulls learn it, their
-        rows let guess by the gate, `step_caps`)."""
+        arms predicted to beat plain by `margin(rows)` (an unknown one is never explored there:
+        warm-up pulls learn it)."""
         plain = next((a for a in self.arms if not strategy_of(a)), None)
         if context.rows <= 1 or plain is None or values.get(plain) is None:
             return list(self.arms)
@@ -347,12 +294,10 @@ class GoodputBandit(EpsilonGreedy):
         return Decision(arm, explored, warmup, eps, shown, dict(self.counts))
 
     def update(self, arm, reward, context=None, acceptance=None, weight=1.0, positions=None):
-        """As the plausible policy's, plus `positions`: (rounds that could guess at each
-        position, proposed at each, accepted at each) of the request, which teach its
-        strategy's acceptance (a number for the first: every position, as many rounds; per
-        position, because a row capped below its k by the gate could not guess past the cap).
-        A speculative arm whose acceptance still does not reach its k goes back on `rewarm`,
-        to be pulled again (`step_caps`, learners)."""
+        """As the plausible policy's, plus `positions`: the request's (rounds that could guess
+        at each position, or one number for all; proposed at each; accepted at each), which
+        teach its strategy's acceptance. A speculative arm whose acceptance still does not reach
+        its k goes back on `rewarm` (`step_caps`, learners)."""
         super().update(arm, reward, context, acceptance, weight)
         s, k = strategy_of(arm), int(str(arm).partition(":")[2] or 0)
         if not s or k == 0:

@@ -1,10 +1,5 @@
 """The drift guard: falls back to plain generation when speculation stops paying. Pure: rewards
-in, a hold or a probe out.
-
-It watches the bandit's rewards: when the speculative arm the bandit exploits delivers less
-than plain generation by a margin over a window, it holds the bandit to arm 0 for a cool-down,
-then probes: the next requests run the best speculative arm (by the bandit's means) until the
-window can judge it again. `serving.policy.Policy` consults it before the bandit chooses.
+in, a hold or a probe out; `serving.policy.Policy` consults it before the bandit chooses.
 """
 
 from __future__ import annotations
@@ -17,16 +12,16 @@ from dataclasses import dataclass, field
 
 @dataclass
 class DriftGuard:
-    """Falls back to plain generation when speculation stops paying (module docstring).
+    """Falls back to plain generation when speculation stops paying.
 
     `observe` takes every bandit request's outcome: plain (arm 0) rewards fill one window,
     rewards of speculative arms the bandit chose to exploit fill the other. When the speculative
     window holds `min_samples` and its mean is below the plain window's mean by more than
     `margin` (a fraction), the guard falls back for `cooldown` requests (`hold()` is then True),
     then clears the speculative window and probes (`probe()` is then True: the caller runs the
-    best speculative arm, since the slow rewards may have taught the bandit to stay plain): the
-    next `min_samples` speculative requests either recover (event "recovered") or fall back
-    again with twice the cool-down (at most 8x). Thread-safe; events are returned to the caller."""
+    best speculative arm by the bandit's means): the next `min_samples` speculative requests
+    either recover (event "recovered") or fall back again with twice the cool-down (at most
+    8x). Thread-safe; events are returned to the caller."""
 
     window: int = 8
     margin: float = 0.2

@@ -22,11 +22,9 @@ with grouped-query heads folded into the query length so keys and values are nev
 head. A model run without a plan (training, a plain forward) attends with SDPA.
 
 Memory: `2 x layers x (rows + 1) x kv_heads x capacity x head_dim` numbers per model (the one
-spare row pads a compiled pass: `RowCache.padded`). Capacity grows by doubling (a copy) up to
-one column past the engine's context limit; on the embedded default (SmolLM2-135M: 30
-layers, 3 kv heads of 64, fp32) a position costs 46 KB per row, so 16 rows and the spare at 513
-positions hold 402 MB, the 6-layer draft a fifth of that (bf16: half). Attention reads each
-row's columns up to the longest row of the step (`width`), not the whole capacity.
+spare row pads a compiled pass: `RowCache.padded`); capacity grows by doubling (a copy) up to
+one column past the engine's context limit (SmolLM2-135M, fp32: 46 KB a position per row).
+Attention reads each row's columns up to the longest row of the step (`width`).
 """
 
 from __future__ import annotations

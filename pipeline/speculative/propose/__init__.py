@@ -18,7 +18,7 @@ own distribution, returned with them (`Drafts.q`) for the rejection rule.
 Members: `ngram.NgramProposer` (prompt lookup, no model), `draft_model.DraftModelProposer` (a
 same-tokenizer draft model, one batched pass per position), `eagle.EagleProposer` (an EAGLE-3
 head over the target's hidden states). A new proposer is one file here and its strategy's
-entry in `arms.STRATEGIES` and `batch.RowBatch._proposers`.
+entry in `arms.STRATEGIES` and `batch.RowBatch._proposer`.
 """
 
 from __future__ import annotations
