@@ -121,19 +121,45 @@ def copy_workspace(src: Path, dst: Path) -> Path:
     return dst
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """`build(folder)` once per test run, whatever the number of pytest-xdist workers: the
+    first worker builds it under a lock in the run's shared temporary folder, and every worker
+    gets its own copy (a test may write into its workspace). Without workers: built here."""
+    mine = tmp_path_factory.mktemp(name) / "art"
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        build(mine)
+        return mine
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent / f"shared-{name}"  # this run's, all workers
+    with FileLock(str(shared) + ".lock"):
+        if not (shared / ".built").is_file():
+            shutil.rmtree(shared, ignore_errors=True)
+            build(shared)
+            (shared / ".built").touch()
+    return copy_workspace(shared, mine)
+
+
 @pytest.fixture(scope="session")
 def distilled_ws(tmp_path_factory) -> Path:
     """split + distill on configs/ci.yaml with the local tiny teacher (a real `serve` process),
-    once per session."""
-    art = tmp_path_factory.mktemp("distilled")
-    return build_workspace(art, ("split", "distill"), ("distill.limit=100",))
+    once per test run (`built_once`)."""
+
+    def build(art: Path) -> None:
+        build_workspace(art, ("split", "distill"), ("distill.limit=100",))
+
+    return built_once(tmp_path_factory, "distilled", build)
 
 
 @pytest.fixture(scope="session")
 def merged_ws(distilled_ws, tmp_path_factory) -> Path:
-    """distilled_ws, then train (full, ci.yaml, two epochs) and merge, once per session."""
-    art = copy_workspace(distilled_ws, tmp_path_factory.mktemp("merged") / "art")
-    return build_workspace(art, ("train", "merge"), ("distill.limit=100", "train.epochs=2"))
+    """distilled_ws, then train (full, ci.yaml, two epochs) and merge, once per test run."""
+
+    def build(art: Path) -> None:
+        copy_workspace(distilled_ws, art)
+        build_workspace(art, ("train", "merge"), ("distill.limit=100", "train.epochs=2"))
+
+    return built_once(tmp_path_factory, "merged", build)
 
 
 def free_port() -> int:
