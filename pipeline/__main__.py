@@ -36,29 +36,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--artifacts", default="artifacts", help="root of every output")
     p.add_argument("--cache", help="converted-model cache (default: <artifacts>/cache)")
     p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override a config value, e.g. --set data.train_size=100 (repeatable)",
-    )
+    )  # fmt: skip
     p.add_argument("--host", help="serve: address to bind (default from config: 127.0.0.1)")
     p.add_argument("--port", type=int, help="serve: port (default from config)")
     p.add_argument("--mode", help="serve: target | fixed:K | bandit (default from config)")
     p.add_argument(
-        "--engine",
-        choices=["phoenix", "vllm"],
-        default="phoenix",
+        "--engine", choices=["phoenix", "vllm"], default="phoenix",
         help="serve: Phoenix's own server, or vLLM with the served draft (make vllm)",
-    )
+    )  # fmt: skip
     p.add_argument("--force", action="store_true", help="train: train again even if finished")
     p.add_argument(
-        "--draft",
-        choices=["base", "distilled", "both"],
-        default="both",
+        "--draft", choices=["base", "distilled", "both"], default="both",
         help="bench: which drafts to measure (default: bench.drafts from config)",
-    )
+    )  # fmt: skip
     p.add_argument(
         "--url", help="bench: measure the held-out prompts on any OpenAI-compatible server at URL"
     )
@@ -74,8 +66,7 @@ DEMO_STAGES = ("split", "distill", "train", "merge", "bench")
 
 
 def trained_parts(cfg: Config, ws: Workspace) -> list[tuple[Config, Workspace]]:
-    """What train and merge build, in order: the draft, then (models.head=distilled) the
-    EAGLE-3 head beside it, under <artifacts>/head/ with its own config (`head_config`)."""
+    """What train and merge build, in order: the draft, then (models.head=distilled) the head."""
     return [(cfg, ws)] + ([(cfg.head_config(), ws.head())] if cfg.trains_head() else [])
 
 
@@ -84,9 +75,8 @@ def _prefixed(ws: Workspace, figures: dict) -> dict:
 
 
 def run_stage(stage: str, cfg: Config, ws: Workspace, args: argparse.Namespace, telemetry) -> None:
-    """Log the resolved config, run the stage in its own telemetry transaction, then store the
-    config beside its outputs (only on success, so a failed run never relabels the outputs of
-    an earlier good one)."""
+    """Log the resolved config, run the stage in its own telemetry transaction, then (only on
+    success) store the config beside its outputs."""
     if stage == "demo":
         with ws.lock("demo", timing=cfg.lock):
             for s in DEMO_STAGES:
@@ -163,36 +153,26 @@ def next_steps(cfg: Config, ws: Workspace, args: argparse.Namespace) -> str:
         make_vars.append(f"CONFIG={shlex.quote(args.config)}")
     if str(args.artifacts) != "artifacts":
         make_vars.append(f"ARTIFACTS={shlex.quote(str(args.artifacts))}")
-    body = json.dumps(
-        {
-            "model": cfg.models.served_name or cfg.models.target,
-            "messages": [{"role": "user", "content": "Write a function to reverse a string."}],
-            "max_tokens": 64,
-        }
-    )
+    ask = [{"role": "user", "content": "Write a function to reverse a string."}]
+    model = cfg.models.served_name or cfg.models.target
+    body = json.dumps({"model": model, "messages": ask, "max_tokens": 64})
     auth = ""
     if os.environ.get(cfg.server.api_key_env):
         auth = f' -H "Authorization: Bearer ${cfg.server.api_key_env}"'
     url = f"http://{cfg.server.host}:{cfg.server.port}/v1/chat/completions"
-    return "\n".join(
-        [
-            "",
-            "Next:",
-            f"  make serve {' '.join(make_vars)}".rstrip()
-            + (
-                "    # serves the faster of the draft and the EAGLE-3 head just built"
-                if cfg.trains_head()
-                else "    # serves the draft just built (server.draft: latest)"
-            ),
-            f"  curl -s {url} -H 'Content-Type: application/json'{auth} -d '{body}'",
-            f"  report: {ws.bench / 'report.md'}",
-        ]
-    )
+    if cfg.trains_head():
+        note = "    # serves the faster of the draft and the EAGLE-3 head just built"
+    else:
+        note = "    # serves the draft just built (server.draft: latest)"
+    return "\n".join([
+        "", "Next:", f"  make serve {' '.join(make_vars)}".rstrip() + note,
+        f"  curl -s {url} -H 'Content-Type: application/json'{auth} -d '{body}'",
+        f"  report: {ws.bench / 'report.md'}",
+    ])  # fmt: skip
 
 
 def what_was_kept(stage: str, ws: Workspace) -> str:
-    """After a stage failed for lack of space: the file it was writing, what survives, and how a
-    rerun picks up."""
+    """After a stage failed for lack of space: what survives, and how a rerun picks up."""
     if stage == "distill":
         path = ws.answers_file
         n = path.read_bytes().count(b"\n") if path.exists() else 0
@@ -202,11 +182,9 @@ def what_was_kept(stage: str, ws: Workspace) -> str:
 
         ckpts = ws.adapter / "checkpoints"
         last = last_complete_checkpoint(ckpts)
-        kept = (
-            f"{last} is kept and a rerun resumes from it"
-            if last
-            else "no checkpoint was complete yet"
-        )
+        kept = "no checkpoint was complete yet"
+        if last:
+            kept = f"{last} is kept and a rerun resumes from it"
         return f"writing {ckpts}: {kept} (an incomplete checkpoint is discarded)"
     if stage == "merge":
         return (
@@ -225,9 +203,7 @@ def _interrupt(_signum, _frame) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.stage != "serve":  # uvicorn installs its own handlers
-        # Ctrl-C and SIGTERM (schedulers) both stop a stage cleanly, with its `finally` blocks
-        # (the local teacher is stopped), also when started with SIGINT ignored, as background
-        # jobs of non-interactive shells are.
+        # Ctrl-C and SIGTERM stop a stage through its `finally` blocks, even if SIGINT was ignored.
         signal.signal(signal.SIGINT, _interrupt)
         signal.signal(signal.SIGTERM, _interrupt)
     logging.basicConfig(
@@ -240,11 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     ws = Workspace(args.artifacts, cache=args.cache)
     try:
         cfg = load_config(args.config, args.overrides)
-        telemetry = (
-            NullTelemetry()
-            if args.stage == "serve"
-            else setup_telemetry(cfg, f"stage:{args.stage}")
-        )
+        serving = args.stage == "serve"
+        telemetry = NullTelemetry() if serving else setup_telemetry(cfg, f"stage:{args.stage}")
         try:
             run_stage(args.stage, cfg, ws, args, telemetry)
         finally:
@@ -256,14 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if not errors.is_disk_full(exc, ws.root):
             raise
-        log.error(
-            "%s: disk full under %s (%s); %s. Free space, then rerun %s.",
-            args.stage,
-            ws.root,
-            exc.__class__.__name__,
-            what_was_kept(args.stage, ws),
-            args.stage,
-        )
+        kept = what_was_kept(args.stage, ws)
+        log.error("%s: disk full under %s (%s); %s. Free space, then rerun %s.",
+                  args.stage, ws.root, exc.__class__.__name__, kept, args.stage)  # fmt: skip
         return errors.EXIT_FAILURE
     except KeyboardInterrupt:
         log.error("interrupted")

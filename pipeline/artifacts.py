@@ -6,8 +6,7 @@
     <folder>/publish.json            where merge pushed it (merged/ only; never pushed itself)
     <bench>/results.json             the bench's rows, and the weights id of each draft it ran
 
-`drafts`, `retrain`, `bench`, `merge`, `publish` and `reload` read and write these through the
-functions here; this module imports nothing of Phoenix but `workspace`.
+Stages read and write these through the functions here; it imports only `workspace`.
 """
 
 from __future__ import annotations
@@ -59,9 +58,8 @@ def is_verified(folder: str | Path) -> bool:
 
 
 def weights_id(folder: str | Path) -> str | None:
-    """sha256 of a model directory's weights: its weights file; for a sharded checkpoint, of its
-    index's hash and every shard's name and hash (two drafts with one index and different shards
-    differ). None if it has none."""
+    """sha256 of a model directory's weights file (sharded: of the index's hash and every
+    shard's name and hash), or None without weights."""
     folder = Path(folder)
     meta = folder / VERIFIED  # merge records the hash it verified
     if meta.is_file() and (folder / "model.safetensors").is_file():
@@ -97,19 +95,13 @@ def published_version(record: str | Path) -> str | None:
 # --- bench results -------------------------------------------------------------------------
 def acceptance_of(results: dict, draft: str, mode: str) -> float | None:
     """A bench row's acceptance (`draft`: base, distilled; `mode`: fixed_4, ...), or None."""
-    return next(
-        (
-            r["acceptance_rate"]
-            for r in results["rows"]
-            if r["draft"] == draft and r["mode"] == mode
-        ),
-        None,
-    )
+    rows = (r for r in results["rows"] if r["draft"] == draft and r["mode"] == mode)
+    return next((r["acceptance_rate"] for r in rows), None)
 
 
 def measured_acceptance(root: str | Path, wid: str, mode: str) -> tuple[float, Path] | None:
-    """The newest bench under this artifacts root (its own, then every run's) that measured the
-    weights `wid` at `mode`: (acceptance, results file)."""
+    """(acceptance, results file) of the newest bench under `root` (its own or a run's) that
+    measured the weights `wid` at `mode`, or None."""
     root = Path(root)
     files = [Workspace(root).bench_results, *sorted(root.glob("runs/*/bench/results.json"))]
     for path in sorted((f for f in files if f.is_file()), key=lambda f: -f.stat().st_mtime):

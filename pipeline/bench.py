@@ -3,15 +3,10 @@
     python -m pipeline bench --config configs/default.yaml [--draft base|distilled|both]
                                                                     (or: make bench)
 
-Runs inside the same serving core as the server, with the bandit and Sentry on. Protocol:
-held-out prompts in split order, greedy, batch size 1, `bench.max_new_tokens`, warm-up
-requests excluded; the modes take turns prompt by prompt (`interleave`). Modes: target (no
-draft), fixed_K for K in `bench.fixed_arms`, bandit (fresh state per run by default); drafts:
-base (before training) and distilled (<artifacts>/merged).
-Every speculative output must equal the target-only output, token for token (exit 4 if not).
-The sampled protocol (`bench.temperature` > 0): every request samples, seeded by its prompt, and
-the check is in distribution instead (`DistributionCheck`; exit 4 if it fails).
-Writes <artifacts>/bench/results.json, report.md and PNG plots.
+Held-out prompts through the serving core, batch size 1, every mode taking turns prompt by
+prompt (protocol: docs/pipeline.md). Greedy: every speculative output must equal the target-only
+output token for token; sampled (`bench.temperature` > 0): in distribution (`DistributionCheck`).
+Exit 4 if not. Writes <artifacts>/bench/results.json, report.md and PNG plots.
 """
 
 from __future__ import annotations
@@ -21,7 +16,6 @@ import os
 import platform
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -42,18 +36,10 @@ log = logging.getLogger(__name__)
 
 
 def hardware() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     import torch
 
     gpu = f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
-    return f"{cpu}, {os.cpu_count()} cores{gpu}"
+    return f"{models.cpu_name()}, {os.cpu_count()} cores{gpu}"
 
 
 def environment(cfg: Config, device: str, dtype: str | None = None) -> dict[str, Any]:
@@ -77,8 +63,7 @@ def environment(cfg: Config, device: str, dtype: str | None = None) -> dict[str,
 
 
 def prompt_ids(cfg: Config, tok, rows: list[dict]) -> list[list[int]]:
-    """The held-out prompts as the server renders them (`models.user_prompt_ids`), or as they
-    were served (captured traffic keeps its rendered prompt's ids)."""
+    """The held-out prompts' ids as the server renders them (captured traffic: as served)."""
     return [
         r.get("prompt_token_ids") or models.user_prompt_ids(tok, r["prompt"], cfg.template_kwargs())
         for r in rows
@@ -90,23 +75,19 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
     if not ws.test_file.exists():
         raise InputError(f"{ws.test_file} is missing: run the split stage first (make split)")
     drafts = drafts or list(cfg.bench.drafts)
-    if cfg.models.draft.strip() == "eagle3" and "base" in drafts:
-        # A head is trained from scratch: there is no base one to measure against.
+    if cfg.models.draft.strip() == "eagle3" and "base" in drafts:  # a head has no base
         drafts = [d for d in drafts if d != "base"] or ["distilled"]
         log.info("models.draft=eagle3: no base head to bench; benching %s", ", ".join(drafts))
     if "distilled" in drafts and not (ws.merged / "config.json").is_file():
         raise InputError(
             f"no distilled draft at {ws.merged}: run train and merge first, or bench with --draft base"
         )
-    # The head beside the drafts (serve compares the two kinds): resolved before the runs, so a
-    # missing one fails at once, not after every row is measured.
-    head = models.head_ref(cfg, ws)
+    head = models.head_ref(cfg, ws)  # resolved first: a missing head fails before any row
     rows = read_jsonl(ws.test_file)[: cfg.bench.prompts]
     target = models.load_pair(cfg, ws, None)
     compiled = compiling.compile_engine(cfg, ws, target)
     ids = prompt_ids(cfg, target.tokenizer, rows)
     engines = {"none": {"compiled": compiled}}
-    # Sampled: token identity does not apply; the outputs are checked in distribution.
     check = DistributionCheck(cfg, ids) if sampled(cfg) else None
     records = measure_all(cfg, ws, telemetry, drafts, rows, target, ids, engines, check)
     dtype = str(target.target.dtype).replace("torch.", "")
@@ -140,8 +121,7 @@ def sampled(cfg: Config) -> bool:
 
 
 def sampling_of(cfg: Config, prompt_index: int) -> Sampling:
-    """How the bench's request for prompt `prompt_index` draws: greedy, or (the sampled
-    protocol) at bench.temperature, seeded by the prompt (every mode draws with the same seed)."""
+    """Greedy, or bench.temperature seeded by the prompt (the same seed in every mode)."""
     b = cfg.bench
     if not sampled(cfg):
         return GREEDY
@@ -153,13 +133,10 @@ DISTRIBUTION_ALPHA = 1e-3  # family-wise: each comparison is judged at ALPHA / c
 
 
 class DistributionCheck:
-    """The sampled protocol's check: for the first bench.distribution_prompts prompts, the
-    first DISTRIBUTION_TOKENS tokens of bench.distribution_samples generations by each
-    measured arm against as many by the target alone, compared position by position with a
-    two-sample chi-square test (`sampling.chi_square`). A comparison fails below
-    DISTRIBUTION_ALPHA / comparisons (Bonferroni: a correct engine fails the whole check with
-    probability at most DISTRIBUTION_ALPHA). `compare` runs where the bench already holds each
-    draft's models (`measure_all`), so no model is loaded twice."""
+    """The sampled protocol's check: per prompt (bench.distribution_prompts) and position (the
+    first DISTRIBUTION_TOKENS), bench.distribution_samples tokens of each arm vs the target
+    alone, a two-sample chi-square test. Fails below DISTRIBUTION_ALPHA / comparisons (Bonferroni: a correct engine fails with
+    probability at most DISTRIBUTION_ALPHA)."""
 
     def __init__(self, cfg: Config, ids: list[list[int]]):
         b = cfg.bench
@@ -212,14 +189,12 @@ class DistributionCheck:
 
 
 def free_arms(cfg: Config) -> list[str]:
-    """The measured arms that need neither a draft model nor a head (ngram:K): run on the
-    target alone."""
+    """The measured arms that need neither a draft model nor a head (ngram:K)."""
     return [a for a in cfg.bench.fixed_arms if usable(a, False, False)]
 
 
 def draft_spec(cfg: Config, ws: Workspace, draft: str) -> str:
-    """What a bench draft names: base, distilled, or a directory (a merged draft or an exported
-    EAGLE-3 head)."""
+    """base, distilled, or a directory (a merged draft or an exported head) -> its model spec."""
     return {"base": cfg.models.draft, "distilled": str(ws.merged)}.get(draft, draft)
 
 
@@ -227,11 +202,8 @@ def measure_all(
     cfg: Config, ws: Workspace, telemetry, drafts, rows, target, ids, engines: dict,
     check: DistributionCheck | None = None,
 ) -> list[dict]:  # fmt: skip
-    """One record per (draft, mode, prompt). Every run (target-only, each fixed arm, each
-    draft's own arms and its bandit) is built first, each draft loaded beside the shared
-    target, then they take turns prompt by prompt (`interleave`). `engines[draft]` gets how
-    each draft's engine ran (compiled, its head subset); `check` (the sampled protocol) then
-    compares each measured arm's samples, every draft's models still loaded."""
+    """One record per (draft, mode, prompt), every draft loaded beside the shared target.
+    Fills `engines[draft]` (compiled, head subset); `check` runs while the models are loaded."""
 
     def core_of(pair: models.Pair, draft: str | None, state=None, policy=None) -> ServingCore:
         mode = "bandit" if draft else "target"  # batch size 1: the protocol
@@ -254,7 +226,6 @@ def measure_all(
         state = ws.bench / f"bandit-{draft}.json" if cfg.bench.bandit_state == "persist" else None
         core = core_of(pair, draft, state=state)
         cores.append(core)
-        # This draft's own arms: draft:K on a draft model, eagle:K on an EAGLE-3 head.
         own = [a for a in cfg.bench.fixed_arms if not usable(a, False, False)
                and usable(a, core.has_draft, core.has_head)]  # fmt: skip
         runs += [(core, draft, fixed(arm).spec, None) for arm in own]
@@ -276,10 +247,8 @@ def measure_all(
 
 
 def interleave(cfg, telemetry, runs, ids, rows) -> list[dict]:
-    """Warm every run, then measure them prompt by prompt: each prompt goes to every run in
-    turn, the order reversed every other prompt, so the machine's drift falls on every mode
-    alike (why: docs/measurements.md). A bandit sees the prompts in order. Returns the records
-    run by run, each in prompt order."""
+    """Warm every run, then each prompt to every run in turn, the order reversed every other
+    prompt (drift falls on every mode alike). Returns records run by run, in prompt order."""
     modes = [warm_up(cfg, core, mode_text, ids) for core, _, mode_text, _ in runs]
     out: list[list[dict]] = [[] for _ in runs]
     order = list(range(len(runs)))
@@ -299,9 +268,8 @@ def interleave(cfg, telemetry, runs, ids, rows) -> list[dict]:
 
 
 def warm_up(cfg, core: ServingCore, mode_text: str, ids):
-    """A run's mode, after its warm-up requests (excluded from every figure, never feeding the
-    bandit): every arm it can use (the bandit's through fixed modes, so its state is
-    untouched), so no cold start lands in a measured request."""
+    """A run's mode, after warm-up requests on every arm it can use (fixed modes: the bandit's
+    state is untouched)."""
     arms = (
         core.bandit.arms
         if mode_text == "bandit"
@@ -317,7 +285,6 @@ def warm_up(cfg, core: ServingCore, mode_text: str, ids):
 
 
 def measure_one(cfg, telemetry, core, mode, draft, label, i: int, prompt, rows) -> dict:
-    """Prompt `i` through one run: its record."""
     with telemetry.request(mode, core.draft_id) as rec:
         res = core.generate(
             Request(prompt, cfg.bench.max_new_tokens, mode, sampling=sampling_of(cfg, i))
@@ -334,11 +301,8 @@ def measure_one(cfg, telemetry, core, mode, draft, label, i: int, prompt, rows) 
 
 
 def check_lossless(records, target, ids, margin: float) -> tuple[list[str], list[dict]]:
-    """Compare every speculative output with the target-only output of its prompt. At the first
-    position where they part, the target scores both choices after the shared prefix (a token,
-    or the end of turn where one output stopped): a gap of at most `margin` is a numerical
-    near-tie (half precision rounds a k+1-token verify pass unlike one-token steps), reported but
-    not a failure; anything else is a mismatch. `target` is a `models.Pair`."""
+    """Each speculative output vs its prompt's target-only output -> (mismatches, near_ties).
+    Where they first part, the target scores both choices; a gap <= `margin` is a near-tie."""
     reference = {r["prompt_index"]: r for r in records if r["mode"] == "target"}
     eos = sorted(target.models.eos_token_ids)
     mismatches, near_ties = [], []
@@ -374,8 +338,7 @@ def check_lossless(records, target, ids, margin: float) -> tuple[list[str], list
 
 
 def _choice(record: dict, at: int, eos: list[int]) -> int | list[int] | None:
-    """What a record chose at position `at`: a token id, the end of turn (the eos ids), or None
-    when it was cut there by its token budget."""
+    """A record's choice at `at`: a token id, the eos ids (it stopped), or None (cut)."""
     if at < len(record["token_ids"]):
         return record["token_ids"][at]
     return eos if record["finish_reason"] == "stop" else None
@@ -396,8 +359,7 @@ def _score_of(scores, choice: int | list[int]) -> float:
 
 
 def engine_summary(cfg: Config, records: list[dict], engines: dict) -> dict[str, Any]:
-    """How the engines ran, and each pruned draft head's coverage of the held-out answers
-    (the target-only outputs: the tokens the draft has to guess)."""
+    """How the engines ran; each pruned draft head's coverage of the target-only outputs."""
     answers = [t for r in records if r["mode"] == "target" for t in r["token_ids"]]
     out: dict[str, Any] = {"compile": cfg.engine.compile, "draft_vocab": cfg.engine.draft_vocab}
     for draft, info in engines.items():
@@ -414,8 +376,7 @@ def engine_summary(cfg: Config, records: list[dict], engines: dict) -> dict[str,
 
 
 def lossless_margin(cfg: Config, dtype: str) -> float:
-    """`bench.lossless_margin`, or by the dtype that ran when unset: 0 in float32; 0.5 in half
-    precision, where a k+1-token verify rounds unlike one-token steps."""
+    """`bench.lossless_margin`, or when unset 0 in float32, 0.5 in half precision."""
     if cfg.bench.lossless_margin is not None:
         return cfg.bench.lossless_margin
     return 0.0 if dtype == "float32" else 0.5

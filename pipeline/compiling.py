@@ -15,15 +15,15 @@ def _progress(label: str, i: int, total: int, secs: float) -> None:
     log.info("engine: warmed %s [%d/%d] in %.1f s", label, i, total, secs)
 
 
+def _reason(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+
+
 def compile_engine(cfg, ws, pair) -> bool:
-    """Ready a pair's models for the step loop (their lean runners, `speculative.runner`) and,
-    per `engine.compile`, compile each one's whole pass as one graph (`LeanRunner.compile`) and
-    warm it at the shapes the loop makes, logging progress, with torch's caches under
-    <artifacts>/cache/compile. `auto` keeps the compiled pass only where a measurement here
-    finds it faster than eager (one-token and 5-token steps), and falls back to eager with one
-    warning when compiling fails; `true` keeps it and fails loudly. A reload (a new draft or
-    head beside a target decided already) compiles only what is new and leaves an eager target
-    eager. Returns whether the target runs compiled."""
+    """Ready a pair's lean runners and, per `engine.compile`, compile and warm each pass (caches
+    under <artifacts>/cache/compile). `auto`: kept only where measured faster than eager (1- and
+    5-token steps), eager with a warning if compiling fails; `true`: fails loudly. A reload
+    compiles only what is new. Returns whether the target runs compiled."""
     import os
     import time
 
@@ -73,8 +73,7 @@ def compile_engine(cfg, ws, pair) -> bool:
     except Exception as exc:  # noqa: BLE001 - any compile failure means eager under auto
         for m in fresh:
             m._phoenix_runner.uncompile()
-        first_line = (str(exc).strip().splitlines() or [""])[0]
-        reason = f"{type(exc).__name__}: {first_line}"
+        reason = _reason(exc)
         if how == "true":
             raise PhoenixError(f"engine.compile=true: compiling failed: {reason}") from exc
         log.warning("engine.compile=auto: running eager, compiling failed: %s", reason)
@@ -96,9 +95,8 @@ def compile_engine(cfg, ws, pair) -> bool:
 
 
 def _user_inductor_cache() -> str | None:
-    """The compile cache the user chose (`TORCHINDUCTOR_CACHE_DIR`), or None: importing torch's
-    compiler sets the variable to torch's own default (/tmp/torchinductor_<user>), which is not
-    a choice (a `setdefault` had left the workspace's cache directory empty)."""
+    """`TORCHINDUCTOR_CACHE_DIR` if the user chose it; None if unset or torch's own default
+    (importing its compiler sets that)."""
     import os
 
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
@@ -110,18 +108,15 @@ def _user_inductor_cache() -> str | None:
 
 
 def compile_head(head, how: str, backend: str) -> bool:
-    """An EAGLE-3 head's drafting through its compiled dense parts (`Eagle3Head.compile`),
-    warmed in every shape it drafts in, beside a compiled target. `auto` keeps them only where
-    its one-token step measures faster than eager here, and falls back to eager with one
-    warning when compiling fails; `true` fails loudly. Returns whether the head runs compiled."""
+    """Compile and warm an EAGLE-3 head's dense parts, with `compile_engine`'s `auto`/`true`
+    rules (its one-token step measured). Returns whether the head runs compiled."""
     eager = head.step_ms() if how == "auto" else None
     try:
         head.compile(backend=backend)
         head.warm_up()
     except Exception as exc:  # noqa: BLE001 - any compile failure means eager under auto
         head.uncompile()
-        first_line = (str(exc).strip().splitlines() or [""])[0]
-        reason = f"{type(exc).__name__}: {first_line}"
+        reason = _reason(exc)
         if how == "true":
             raise PhoenixError(f"engine.compile=true: compiling the head failed: {reason}") from exc
         log.warning(

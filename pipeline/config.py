@@ -1,12 +1,9 @@
 """Typed configuration: YAML files whose keys are exactly these field names.
 
-`Config` holds one section per YAML mapping: the pipeline stages' sections are here (models,
-data, teacher, distill, train, merge, publish, observability, retrain, traffic, lock), serving's
-and its measurement's in `config_serving.py` (bandit, server, engine, bench, vllm). Here too:
-the rules that span sections, loading a file, and `--set key.path=value` overrides.
-
-Unknown keys and wrong types are errors that name the key and the file. Secrets never live
-here: fields ending in `_env` name the environment variable that holds them.
+`Config` holds one section per YAML mapping (serving's in `config_serving.py`), the rules that
+span sections, loading a file and `--set key.path=value` overrides. Unknown keys and wrong
+types are errors naming the key and the file. Fields ending in `_env` name the environment
+variable holding a secret.
 """
 
 from __future__ import annotations
@@ -39,34 +36,30 @@ class ModelsConfig(Section):
     )
     draft: str = Field(
         "cut:4",
-        description="Same spec forms as target, or `cut:N` (the target's first N decoder "
-        "layers) or `cut:0,2,4` (those layers), or `eagle3`: an EAGLE-3 head (one decoder layer "
-        "over the target's hidden states from three depths, train.eagle3_layers) trained on the "
-        "target's hidden states over the teacher's answers; needs the target's weights where "
-        "train runs, exported in the speculators format vLLM serves.",
+        description="Spec forms as target, or `cut:N` / `cut:0,2,4` (the target's first N or "
+        "listed layers), or `eagle3`: an EAGLE-3 head trained on the target's hidden states "
+        "(needs its weights), exported in the speculators format.",
     )
     head: str | None = Field(
         None,
-        description="An exported EAGLE-3 head (a merged directory of models.draft=eagle3) served "
-        "beside the draft: the eagle:K arms. A server.draft or bench draft that is such a head "
-        "is loaded as one too. `distilled`: the head this workspace trains beside the draft "
-        "(train, merge: under <artifacts>/head/, train.head_epochs), benched beside it; serve "
-        "then serves whichever of the two the bench measured faster.",
+        description="An exported EAGLE-3 head served beside the draft (the eagle:K arms); "
+        "`distilled`: the one this workspace trains beside it (<artifacts>/head/), served if "
+        "the bench measured it faster.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto: bfloat16 on a GPU, float32 on the CPU."
+        "auto",
+        description="auto: bfloat16 on a GPU; on a CPU float32, or bfloat16 where a probe finds "
+        "it faster (serving).",
     )
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
-    served_name: str | None = Field(
-        None, description="Model id the server lists; default: the target spec."
-    )
+    served_name: str | None = Field(None, description="Model id served; default: the target spec.")
 
 
 class DataConfig(Section):
     source: str = Field(
         "../shared/data/mbpp.jsonl",
-        description="MBPP JSONL path (relative paths: to the working directory), or a Hub "
-        "dataset id. The environment variable PHOENIX_MBPP wins over this.",
+        description="MBPP JSONL path (relative: to the working directory) or Hub dataset id; "
+        "PHOENIX_MBPP wins.",
     )
     hub_config: str = "full"
     seed: int = 42
@@ -80,19 +73,14 @@ class TeacherConfig(Section):
     api_key_env: str = Field("PHOENIX_TEACHER_API_KEY", description="Env var with the API key.")
     max_tokens: int = Field(256, ge=1)
     temperature: float = Field(
-        0.0,
-        ge=0.0,
-        le=2.0,
-        description="0: greedy answers; above: sampled, seeded by task_id (a rerun draws the same).",
+        0.0, ge=0.0, le=2.0, description="0: greedy; above: sampled, seeded by task_id."
     )
     enable_thinking: bool | None = Field(
         False, description="Sent as chat_template_kwargs.enable_thinking; null: not sent."
     )
     concurrency: int = Field(1, ge=1)
     return_token_ids: bool = Field(
-        False,
-        description="Ask a remote teacher for the answers' token ids (vLLM's return_token_ids), "
-        "so the draft trains on the teacher's exact tokens; the local teacher always sends them.",
+        False, description="Ask a remote teacher for the answers' ids (vLLM's return_token_ids)."
     )
     ready_timeout_s: float = Field(600.0, gt=0)
     request_timeout_s: float = Field(300.0, gt=0)
@@ -106,8 +94,7 @@ class DistillConfig(Section):
         0,
         ge=0,
         le=16,
-        description="Answers sampled from the target per prompt beside its main answer (at "
-        "sample_temperature, seeded by task and sample), which train learns from too.",
+        description="Extra answers per prompt, sampled at sample_temperature, trained on too.",
     )
     sample_temperature: float = Field(
         0.6, gt=0, le=2, description="The extra samples' temperature."
@@ -116,8 +103,7 @@ class DistillConfig(Section):
 
 class TrainConfig(Section):
     method: Literal["lora", "full"] = Field(
-        "lora",
-        description="lora: a PEFT adapter; full: every weight (for drafts cut from the target).",
+        "lora", description="lora: a PEFT adapter; full: every weight (for cut drafts)."
     )
     lora_r: int = Field(16, ge=1)
     lora_alpha: int = Field(32, ge=1)
@@ -134,58 +120,36 @@ class TrainConfig(Section):
     save_steps: int = Field(50, ge=1, description="Checkpoint every N steps (resume point).")
     objective: Literal["sft", "kd", "on_policy"] = Field(
         "sft",
-        description="sft: cross-entropy on the teacher's answers; kd: the target's next-token "
-        "distribution on them; on_policy: the target's distribution on the draft's own "
-        "continuations, mixed with the answers (train.on_policy_ratio).",
+        description="sft: the teacher's answer tokens; kd: the target's distribution on them; "
+        "on_policy: its distribution on the draft's own continuations too.",
     )
     divergence: Literal["forward_kl", "reverse_kl", "tv", "jsd"] = Field(
-        "forward_kl",
-        description="kd/on_policy: KL(target||draft), KL(draft||target), total variation, or "
-        "Jensen-Shannon (beta 0.5).",
+        "forward_kl", description="kd/on_policy: KL(p||q), KL(q||p), total variation, or JSD."
     )
     kd_source: Literal["auto", "target", "teacher"] = Field(
         "auto",
-        description="Where kd's distribution comes from. target: the target's weights, loaded "
-        "beside the draft; teacher: the teacher endpoint's top_logprobs, which distill stores "
-        "with each answer; auto: teacher when teacher.url is remote and top_logprobs is set, "
-        "else target.",
+        description="kd's distribution: target (its weights), teacher (the endpoint's "
+        "top_logprobs); auto: teacher if teacher.url is remote and top_logprobs set.",
     )
     top_logprobs: int | None = Field(
         None,
         ge=1,
         le=20,
-        description="kd/on_policy: learn only the target's N most likely tokens per position "
-        "(the rest as one bucket), as an OpenAI-compatible teacher returns them; null: the "
-        "full distribution (needs the target's weights). models.draft=eagle3: the head's kd "
-        "reads the target's top N of 20 cached with its states (null: 20).",
+        description="kd/on_policy: only the target's top N per position (the rest one bucket); "
+        "null: the full distribution (eagle3: 20).",
     )
-    ttt_steps: int = Field(
-        4,
-        ge=1,
-        le=8,
-        description="models.draft=eagle3: training-time-test steps (the head fed its own "
-        "outputs, so guesses 2..N are trained, not only the first; EAGLE-3).",
-    )
+    ttt_steps: int = Field(4, ge=1, le=8, description="eagle3: training-time-test steps.")
     eagle3_layers: list[int] | None = Field(
-        None,
-        description="models.draft=eagle3: the three target layers whose inputs the head fuses "
-        "(low, middle, high); null: 2, L/2, L-3, as vLLM chooses.",
+        None, description="eagle3: the three target layers fused; null: 2, L/2, L-3 (as vLLM)."
     )
-    head_epochs: float = Field(
-        8.0,
-        gt=0,
-        description="models.head=distilled: epochs of the EAGLE-3 head trained beside the draft "
-        "(method full, objective sft, train.ttt_steps, train.eagle3_layers).",
-    )
+    head_epochs: float = Field(8.0, gt=0, description="models.head=distilled: the head's epochs.")
     head_learning_rate: float = Field(
         1e-3, gt=0, description="models.head=distilled: the head's learning rate."
     )
     on_policy_ratio: float = Field(
         0.5, ge=0, le=1, description="on_policy: share of batches the draft writes itself."
     )
-    on_policy_tokens: int = Field(
-        64, ge=1, description="on_policy: tokens the draft writes per prompt."
-    )
+    on_policy_tokens: int = Field(64, ge=1, description="on_policy: tokens written per prompt.")
     on_policy_temperature: float = Field(
         1.0, ge=0, description="on_policy: the draft's sampling temperature (0: greedy)."
     )
@@ -193,25 +157,19 @@ class TrainConfig(Section):
 
 class MergeConfig(Section):
     verify_prompts: int = Field(3, ge=1, description="Held-out prompts whose logits are compared.")
-    atol: float = Field(
-        1e-3, gt=0, description="Largest logit difference merged vs adapter allowed."
-    )
+    atol: float = Field(1e-3, gt=0, description="Largest logit difference merged vs adapter.")
 
 
 class PublishConfig(Section):
     target: Literal["local", "hub", "none"] = "local"
-    registry: str | None = Field(
-        None, description="Local registry folder; default <artifacts>/registry."
-    )
+    registry: str | None = Field(None, description="Local registry; default <artifacts>/registry.")
     name: str = Field("phoenix-draft", description="Model name in the local registry.")
     repo_id: str | None = Field(None, description="Hub repo id (target: hub).")
     private: bool = True
     token_env: str = Field("HF_TOKEN", description="Env var with the Hub token.")
     dry_run: bool = Field(False, description="Show what would be pushed; push nothing.")
     retries: int = Field(3, ge=0)
-    retry_wait_s: float = Field(
-        1.0, gt=0, description="Wait before the first retry of a push; doubles, at most 30 s."
-    )
+    retry_wait_s: float = Field(1.0, gt=0, description="First retry wait; doubles, at most 30 s.")
 
 
 class ObservabilityConfig(Section):
@@ -228,29 +186,22 @@ class ObservabilityConfig(Section):
 class RetrainConfig(Section):
     min_gain: float = Field(
         0.01,
-        description="Promote only if held-out acceptance beats the promoted draft's (first run: "
-        "the base draft's) by at least this much (absolute, 0.01 = one point).",
+        description="Promote only if acceptance beats the promoted (first run: base) draft's by "
+        "this (absolute).",
     )
     gate_mode: str = Field("fixed_4", description="Bench mode whose acceptance the gate compares.")
     data: Literal["mbpp", "traffic"] = Field(
         "mbpp",
-        description="mbpp: split + distill the MBPP prompts; traffic: the server's captured "
-        "traffic since the promoted run (no teacher calls), its newest records held out as the "
-        "gate's test set, training continued from the promoted draft.",
+        description="mbpp: split + distill MBPP; traffic: the captured traffic since the promoted "
+        "run, newest held out, training on from the promoted draft.",
     )
-    traffic_test_size: int = Field(
-        16, ge=1, description="traffic: the newest N distinct prompts: the gate's held-out slice."
-    )
-    traffic_min_records: int = Field(
-        32, ge=1, description="traffic: fewer new trainable records than this: nothing to do."
-    )
+    traffic_test_size: int = Field(16, ge=1, description="traffic: newest N prompts held out.")
+    traffic_min_records: int = Field(32, ge=1, description="traffic: fewer new: nothing to do.")
 
 
 class TrafficConfig(Section):
     capture: bool = Field(
-        False,
-        description="Record served requests (token ids, mode, acceptance; never headers or "
-        "keys) as training data for retrain.data=traffic.",
+        False, description="Record served requests' token ids (never headers or keys) to train on."
     )
     folder: str | None = Field(None, description="Default <artifacts>/traffic.")
     max_file_mb: float = Field(64.0, gt=0, description="Rotate a file at this size.")
@@ -265,10 +216,7 @@ class LockConfig(Section):
         LOCK_HEARTBEAT_S, gt=0, description="How often the holder refreshes it."
     )
     stale_after_s: float = Field(
-        LOCK_STALE_AFTER_S,
-        gt=0,
-        description="A lock from another host not refreshed for this long is taken over (its "
-        "holder, a pod evicted mid-run, is gone).",
+        LOCK_STALE_AFTER_S, gt=0, description="Another host's lock silent this long is taken over."
     )
 
     @model_validator(mode="after")
@@ -305,10 +253,8 @@ class Config(Section):
         return {} if t is None else {"enable_thinking": t}
 
     def kd_source(self) -> str | None:
-        """Where the target's distribution comes from: 'target' (its weights, loaded beside the
-        draft), 'teacher' (the top_logprobs distill stores with each answer), or None (sft
-        learns from the answers' tokens alone). An EAGLE-3 head reads the target's states, so
-        its kd's `auto` is the target."""
+        """'target' (its weights), 'teacher' (stored top_logprobs), or None (sft); an EAGLE-3
+        head's `auto` is the target."""
         t = self.train
         if t.objective == "sft":
             return None
@@ -358,9 +304,8 @@ class Config(Section):
         return (self.models.head or "").strip() == HEAD_DISTILLED
 
     def head_config(self) -> Config:
-        """The config that trains and merges the head beside the draft (models.head=distilled):
-        models.draft=eagle3 with the head's epochs and learning rate, published under its own
-        registry name (and Hub repo) beside the draft's."""
+        """The config that trains the head beside the draft: models.draft=eagle3, the head's
+        epochs and learning rate, published as `<name>-eagle3`."""
         raw = self.model_dump()
         raw["models"].update(draft="eagle3", head=None)
         t = self.train

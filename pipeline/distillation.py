@@ -1,22 +1,13 @@
-"""What the draft learns from the target: the training rows (`build_examples`: each answer's
-prompt + completion tokenised with a completion mask, and for kd from a teacher endpoint its
-sparse top-N at each answer token) and the train stage's objectives and their losses.
+"""What the draft learns: the training rows (`build_examples`) and the objectives' losses.
 
     sft        cross-entropy on the teacher's answer tokens
-    kd         the target's next-token distribution at every answer position: dense (the local
-               target's full distribution) or sparse (its top-N, as an OpenAI-compatible teacher
-               returns with `top_logprobs`; or the local target cut to its top-N)
-    on_policy  the draft writes continuations of the training prompts and the local target's
-               distribution on them is what it learns (GKD, DistillSpec); a share of batches
-               (`train.on_policy_ratio`) keeps the teacher's answers
+    kd         the target's next-token distribution at every answer position: dense, or its
+               top-N (a teacher endpoint's `top_logprobs`, or the local target cut to N)
+    on_policy  the target's distribution on the draft's own continuations (GKD, DistillSpec)
+               in a share `train.on_policy_ratio` of batches; kd on the answers in the rest
 
-The divergence between the target's distribution p and the draft's q is a setting:
-forward_kl (KL(p||q)), reverse_kl (KL(q||p)), tv (total variation, 1 - the chance that sampling
-from both agrees) or jsd (Jensen-Shannon, beta 0.5).
-
-Only the positions that are scored pass through the LM head: a step costs the backbone plus the
-head on the answer tokens, not on the prompt and padding (TRL's fused head, which scores every
-position in tiles and recomputes them in backward, costs about twice that on a CPU).
+Divergence of the draft's q from the target's p: forward_kl KL(p||q), reverse_kl KL(q||p),
+tv (total variation) or jsd (Jensen-Shannon, beta 0.5). The LM head runs only on scored positions.
 """
 
 from __future__ import annotations
@@ -42,8 +33,8 @@ def _p_times_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def divergence(t_logp: torch.Tensor, s_logp: torch.Tensor, kind: str, beta: float = 0.5):
-    """Per-row divergence between the teacher's (t) and the student's (s) distributions, both as
-    log-probabilities over the same buckets (rows x buckets; -inf marks an unused bucket)."""
+    """Per-row divergence of log-probabilities t (teacher) and s (student), [rows, buckets]
+    (-inf: an unused bucket)."""
     if kind == "forward_kl":
         return _p_times_diff(t_logp, s_logp)
     if kind == "reverse_kl":
@@ -65,9 +56,8 @@ def _with_rest(top_logp: torch.Tensor) -> torch.Tensor:
 def sparse_divergence(
     s_logits: torch.Tensor, ids: torch.Tensor, t_logp: torch.Tensor, kind: str
 ) -> torch.Tensor:
-    """Divergence against a sparse teacher: its top-N `ids` with log-probabilities `t_logp`
-    (-inf: no entry), the rest of its mass one bucket; the student's full distribution is folded
-    onto the same N + 1 buckets."""
+    """Divergence against a teacher's top-N `ids`/`t_logp` (-inf: no entry) plus a rest bucket;
+    the student's distribution is folded onto the same N + 1 buckets."""
     s_all = F.log_softmax(s_logits.float(), -1)
     valid = t_logp > -math.inf
     s_top = torch.where(valid, s_all.gather(-1, ids), torch.full_like(t_logp, -math.inf))
@@ -88,10 +78,8 @@ def top_k_sparse(t_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
 
 # --- compact LM head ---------------------------------------------------------------------------
 def add_compact_head(model) -> None:
-    """`model(..., logits_at=mask)` returns the logits of the positions where `mask` (batch x seq,
-    bool) is true, as one (n, vocab) tensor, without the head on any other position. Without
-    `logits_at` the forward is the original one (generation is unchanged). Patch before PEFT
-    wraps the model: PEFT's forward passes the keyword through; DDP sees an ordinary call."""
+    """`model(..., logits_at=mask)` -> logits [n, vocab] of the positions where `mask` [B, T]
+    is true, the head run on no other; without it, the original forward. Patch before PEFT."""
     original = model.forward
 
     def forward(self, *args, logits_at=None, **kwargs):
@@ -124,8 +112,7 @@ def teacher_logits(teacher, input_ids, attention_mask, at, position_ids=None) ->
 
 # --- batches ---------------------------------------------------------------------------------
 class Collator:
-    """Right-padded batches of pre-tokenised rows: input_ids, attention_mask, completion_mask
-    (the teacher's answer tokens), prompt_len and row (the index into the sparse targets)."""
+    """Right-padded rows -> input_ids, attention_mask, completion_mask, prompt_len, row."""
 
     def __init__(self, pad_id: int):
         self.pad_id = pad_id
@@ -150,8 +137,7 @@ class Collator:
 
 
 def stack_sparse(rows: list[list[list]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-position [[id, logprob], ...] lists -> (ids, logp) tensors of `width` columns, padded
-    with id 0 at -inf (an unused bucket)."""
+    """Per-position [[id, logprob], ...] -> (ids, logp) [n, width], padded with id 0 at -inf."""
     ids = torch.zeros((len(rows), width), dtype=torch.long)
     logp = torch.full((len(rows), width), -math.inf)
     for i, entries in enumerate(rows):
@@ -167,11 +153,8 @@ def make_trainer_class():
     from trl import SFTTrainer
 
     class DistillTrainer(SFTTrainer):
-        """TRL's SFTTrainer with Phoenix's objectives in `compute_loss`.
-
-        `teacher`: the target model (dense kd, on_policy, or sparse kd cut from it); `sparse`:
-        per row, the (ids, logp) tensors for each answer token, when the teacher's distribution
-        came with the answers (or was precomputed)."""
+        """TRL's SFTTrainer with Phoenix's objectives. `teacher`: the target model; `sparse`:
+        per row, (ids, logp) per answer token when the teacher's top-N came with the answers."""
 
         def __init__(
             self,
@@ -195,7 +178,6 @@ def make_trainer_class():
             self._rng = random.Random(self.args.seed)
             self.pad_id = self.data_collator.pad_id
 
-        # The answers' batch: teacher-forced on the teacher's tokens.
         def _answers_loss(self, model, b) -> tuple[torch.Tensor, torch.Tensor]:
             at = shifted(b["completion_mask"])
             labels = b["input_ids"][:, 1:][b["completion_mask"][:, 1:].bool()]
@@ -212,7 +194,6 @@ def make_trainer_class():
                 loss = teacher_divergence(logits, t, self.top_k, self.divergence_kind)
             return loss, (logits.argmax(-1) == labels).float().mean()
 
-        # On-policy: the draft continues the prompts; the target scores its tokens.
         def _on_policy_loss(self, model, b) -> tuple[torch.Tensor, torch.Tensor]:
             draft = self.accelerator.unwrap_model(model)
             out, full_att, mask = draft_rollout(draft, b, self.pad_id, self.on_policy)
@@ -241,8 +222,7 @@ def make_trainer_class():
 
 
 def teacher_divergence(s_logits, t_logits, top_k: int | None, kind: str) -> torch.Tensor:
-    """The mean divergence of the draft's logits from the target's: over the target's top_k
-    (the rest as one bucket) where top_k is set, else over the full distribution."""
+    """Mean divergence from the target's logits: over its top_k + a rest bucket, or dense."""
     if top_k:
         ids, logp = top_k_sparse(t_logits, top_k)
         return sparse_divergence(s_logits, ids, logp, kind).mean()
@@ -263,10 +243,9 @@ def gather_sparse(
 def draft_rollout(
     draft, b: dict[str, torch.Tensor], pad_id: int, on_policy: dict[str, Any]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The draft continues each row's prompt (left-padded; `on_policy`: max_new_tokens,
-    temperature, eos), without gradients and in eval mode (its mode restored after). Returns
-    the sequences [B, prompt + new], their attention mask, and the mask of the new tokens kept:
-    each row's up to and including its end-of-turn."""
+    """The draft continues each prompt without gradients (its train mode restored). Returns
+    sequences [B, prompt + new], their attention mask, and the mask of the new tokens kept (up
+    to and including each row's end-of-turn)."""
     ids, att = _left_padded_prompts(b, pad_id)
     was_training = draft.training
     draft.eval()
@@ -309,9 +288,8 @@ def _left_padded_prompts(b: dict[str, torch.Tensor], pad_id: int):
 
 # --- teacher logprobs as token ids ------------------------------------------------------------
 def token_id_map(tokenizer) -> dict[str, int]:
-    """Token text (as OpenAI-compatible servers print a token) -> id. A text that several ids
-    decode to maps to none of them; `token_id:N` (vLLM's return_tokens_as_token_ids) is parsed
-    separately."""
+    """Token text (as OpenAI-compatible servers print it) -> id; texts several ids decode to
+    are left out (`token_to_id` reads vLLM's `token_id:N` form)."""
     seen: dict[str, int] = {}
     clash: set[str] = set()
     for i in range(len(tokenizer)):
@@ -342,14 +320,10 @@ def build_examples(
     max_length: int,
     logprobs_width: int | None = None,
 ) -> tuple[list[dict], dict[int, tuple]]:
-    """Pre-tokenised prompt+completion rows with a completion mask: the loss sees exactly the
-    teacher's tokens (its own ids when the teacher reported them), plus end-of-turn only when
-    the teacher stopped by itself (an answer cut at max_tokens gets none).
-
-    With `logprobs_width` (kd from the teacher's stored top_logprobs) the answer's tokens are
-    the ones its logprobs name, and the second result holds, per row, the teacher's sparse
-    distribution at each answer token: (ids, logprobs) tensors; the end-of-turn the teacher
-    reports no logprobs for is learnt as a plain label."""
+    """Prompt + completion rows with a completion mask over exactly the teacher's tokens, plus
+    end-of-turn only when it stopped by itself. With `logprobs_width`, the tokens are those its
+    stored logprobs name, and the second result maps row -> (ids, logp) per answer token (an
+    appended end-of-turn is a plain label)."""
     eos = tokenizer.eos_token_id
     id_map = token_id_map(tokenizer) if logprobs_width else None
     rows, sparse = [], {}
@@ -379,8 +353,7 @@ def build_examples(
 
 
 def _logprob_targets(a: dict, tokenizer, id_map: dict[str, int]) -> tuple[list[int], list[list]]:
-    """The answer's token ids and top-N [[id, logprob], ...] per token from its stored logprobs,
-    checked against the answer: the tokens must spell it."""
+    """The answer's ids and top-N [[id, logprob], ...] per token; the ids must spell the answer."""
     lps = a.get("completion_logprobs")
     if not lps:
         raise InputError(

@@ -6,14 +6,10 @@
     base     models.draft, the training stage's starting point
     other    a registry version (`v0003` or `v0003-<run id>`), a model directory, or a Hub id
 
-A draft named explicitly, or found by `latest`, that is missing or cannot be loaded is a
-ConfigError (exit 2) naming it, raised before the server starts.
-
-With `models.head: distilled` the workspace also holds an EAGLE-3 head trained beside the draft
-(<artifacts>/head/merged): the server serves the one of the two whose best fixed arm the
-workspace's bench measured faster on these exact weights, or both (the bandit choosing) when no
-bench did; `ServedDraft.why` says which and by what figures. Any other `models.head` is served
-beside the draft as it names it.
+A draft that is missing or cannot be loaded is a ConfigError (exit 2) naming it, before the
+server starts. `models.head: distilled`: the server serves whichever of the draft and the head
+beside it the bench measured faster on these exact weights, or both when no bench did
+(`ServedDraft.why` says which); any other `models.head` is served beside the draft.
 """
 
 from __future__ import annotations
@@ -110,8 +106,7 @@ def _promoted(ws: Workspace) -> ServedDraft | None:
 
 
 def _newest_merged(cfg: Config, ws: Workspace) -> ServedDraft | None:
-    """The newest of <artifacts>/merged and the registry's latest version (by when merge
-    verified it: the registry copy keeps the file times)."""
+    """The newest verified of <artifacts>/merged and the registry's latest version."""
     found: list[tuple[float, int, ServedDraft]] = []
     if is_verified(ws.merged):
         version = published_version(ws.merged / PUSH_RECORD)
@@ -169,8 +164,7 @@ def check_loadable(served: ServedDraft) -> None:
 
 
 def bench_acceptance(ws: Workspace, served: ServedDraft, mode: str) -> ServedDraft:
-    """The served draft with its held-out acceptance at `mode` (retrain.gate_mode), when a
-    bench under this workspace measured this exact draft (same weights)."""
+    """The served draft with the held-out acceptance at `mode` a bench measured of its weights."""
     folder = Path(served.spec)
     wid = weights_id(folder) if folder.is_dir() else None
     found = measured_acceptance(ws.root, wid, mode) if wid else None
@@ -181,9 +175,8 @@ def bench_acceptance(ws: Workspace, served: ServedDraft, mode: str) -> ServedDra
 
 
 def resolve_served(cfg: Config, ws: Workspace, which: str | None = None) -> ServedDraft:
-    """`which` (default: `server.draft`) -> the draft to serve, checked loadable, with its
-    bench acceptance and the head served beside it (`head`). The choice between a distilled
-    draft and the head beside it is the server's (`which` None) only."""
+    """`which` (default: `server.draft`, and only then the draft-or-head choice) -> the draft to
+    serve, checked loadable, with its bench acceptance and the head beside it."""
     served = _resolve(cfg, ws, which)
     if which is None and cfg.trains_head():  # the server's choice: the faster of the two
         return _draft_or_head(ws, served)
@@ -203,9 +196,8 @@ def _resolve(cfg: Config, ws: Workspace, which: str | None) -> ServedDraft:
                 "server.draft=latest: no distilled draft under %s (no promoted run, no verified "
                 "merged draft, no registry version): serving the base draft %s, which accepts "
                 "little. Build one with `make demo` (or make distill train merge), then restart.",
-                ws.root,
-                cfg.models.draft,
-            )
+                ws.root, cfg.models.draft,
+            )  # fmt: skip
             return ServedDraft(cfg.models.draft, "base")
     else:
         served = _explicit(cfg, ws, text)
@@ -216,8 +208,7 @@ def _resolve(cfg: Config, ws: Workspace, which: str | None) -> ServedDraft:
 
 
 def _draft_or_head(ws: Workspace, served: ServedDraft) -> ServedDraft:
-    """models.head=distilled: the distilled draft or the head beside it, or both (module
-    docstring); `why` says which, by what figures."""
+    """models.head=distilled: the draft, the head, or both; `why` says which, by what figures."""
     head = ws.head().merged
     if not is_verified(head):
         return replace(
@@ -258,12 +249,10 @@ def _draft_or_head(ws: Workspace, served: ServedDraft) -> ServedDraft:
 
 
 def bench_prior(cfg: Config, ws: Workspace, served: ServedDraft | None) -> tuple[dict, str] | None:
-    """What the workspace's bench measured of the strategies this server runs, for its bandit
-    to start from (`bandit.bench_prior_rounds`): per strategy key (the bandit's: `draft`,
-    `eagle`, `ngram`, with `@bucket` for a sampled bench), (rounds that could guess at position
-    i, proposed at i, accepted at i) summed over the bench's requests; only where the bench ran
-    this target, and, for the draft model and the head, these exact weights. Returns (prior, a
-    line saying where from), or None when nothing fits."""
+    """The bandit's start (`bandit.bench_prior_rounds`) -> (prior, where from), or None: per
+    strategy key (`draft`, `eagle`, `ngram`; `@bucket` if sampled), (eligible, proposed,
+    accepted) per position summed over the bench's requests of this target (and, for draft and
+    eagle, of these exact weights)."""
     from .speculative.bandit import Context, strategy_of, temperature_bucket
 
     results = ws.bench_results

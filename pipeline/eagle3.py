@@ -1,20 +1,12 @@
-"""EAGLE-3 heads: the target's hidden states cached, the head trained on them, exported in the
-speculators format vLLM loads, and loaded back. The head itself is `speculative/eagle3.py`.
+"""EAGLE-3 heads (the model: `speculative/eagle3.py`): the target's states cached, the head
+trained on them, exported in the speculators format vLLM loads, and loaded back.
 
-    states   the target reads every training prompt + answer once (batched) and its hidden
-             states at the three aux layers, with its own greedy next token and its `KD_TOP`
-             most likely next tokens (log-probabilities) at each position, are cached in
-             <dir>/states-<key>/ (shards of `SHARD` rows, bf16; resumable: a finished shard is
-             kept). The key hashes the target's weights, the rows' token ids and the format:
-             another target or other answers means other states, never silently reused.
-    train    AdamW on the training-time test (`Eagle3Head.ttt_logits`), loss over the answer
-             positions, step j weighted 0.8^j (EAGLE-3), restricted to the head's vocabulary:
-             sft, cross-entropy on the target's own greedy tokens (what acceptance checks);
-             kd, cross-entropy on the target's top-N distribution (renormalised over the ids
-             the head can propose), as vllm-project/speculators trains on the verifier's
-             logits.
-    export   config.json (`speculators_model_type: eagle3`, `speculators_config` with the
-             verifier) + model.safetensors, the names vLLM's `llama_eagle3` reads.
+    states   per position: the three aux layers' hidden states, the target's greedy next token
+             and its `KD_TOP` most likely (log-probabilities), in shards of `SHARD` rows (bf16),
+             keyed by the target's weights, the rows' tokens and the format (`states_key`)
+    train    the training-time test, step j weighted 0.8^j, on the answer positions within the
+             head's vocabulary: sft on the greedy tokens, kd on the top-N renormalised
+    export   config.json (`speculators_model_type: eagle3`) + model.safetensors (`llama_eagle3`)
 """
 
 from __future__ import annotations
@@ -58,9 +50,8 @@ def states_key(target_weights: str, rows: list[dict], aux: tuple[int, ...]) -> s
 def target_states(
     target, rows: list[dict], aux: tuple[int, ...], pad_id: int
 ) -> list[dict[str, torch.Tensor]]:
-    """One padded batch through the target: per row its aux hidden states [T, 3H] (bf16), its
-    greedy next token at each position [T], and its `KD_TOP` most likely next tokens [T, N]
-    with their log-probabilities (bf16)."""
+    """One padded batch through the target -> per row: aux states [T, 3H] (bf16), greedy [T],
+    top_ids / top_logp [T, KD_TOP] (bf16)."""
     t = max(len(r["input_ids"]) for r in rows)
     dev = next(target.parameters()).device
     ids = torch.full((len(rows), t), pad_id, dtype=torch.long)
@@ -89,8 +80,7 @@ def cache_states(
     batch: int = 8,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[Path]:
-    """Every row's states in shards under `folder` (kept across runs: a finished shard is not
-    recomputed). Rows are batched by length to waste little padding."""
+    """Every row's states in shards under `folder`; a finished shard is kept, not recomputed."""
     folder.mkdir(parents=True, exist_ok=True)
     shards = []
     for s in range(0, len(rows), SHARD):
@@ -125,9 +115,8 @@ def load_shards(shards: list[Path]) -> list[dict]:
 
 
 def init_from_target(head: Eagle3Head, target) -> None:
-    """What can come from the target: the layer's MLP, norms and the hidden half of its
-    attention from the target's last layer; the output head from the target's head rows (its
-    final norm too). `fc` starts as the mean of the three depths (identity per block, / 3)."""
+    """The layer from the target's last (MLP, norms, attention's hidden half), lm_head from its
+    head rows, norm from its final norm; `fc` the mean of the three depths."""
     c = head.config
     last = target.model.layers[-1]
     layer = head.layers[0]
@@ -161,8 +150,7 @@ def new_head(target, vocab_ids: list[int], aux: tuple[int, ...] | None, init: bo
 
 
 def _batch(rows: list[dict], top: int = 0) -> tuple[torch.Tensor, ...]:
-    """Padded ids, aux states, greedy labels and mask [B, T(, ...)]; with `top`, the target's
-    `top` most likely ids and log-probabilities too [B, T, top]."""
+    """Padded ids, aux, greedy, mask [B, T(, 3H)], top_ids, top_logp [B, T, top]."""
     t = max(len(r["ids"]) for r in rows)
     b = len(rows)
     ids = torch.zeros(b, t, dtype=torch.long)
@@ -182,8 +170,8 @@ def _batch(rows: list[dict], top: int = 0) -> tuple[torch.Tensor, ...]:
 
 
 def kd_targets(top_ids: torch.Tensor, top_logp: torch.Tensor, index: torch.Tensor):
-    """The target's top-N distribution over the head's vocabulary: (draft indices [..., N],
-    probabilities [..., N] summing to 1 over the ids the head can propose, 0 elsewhere)."""
+    """(draft indices [..., N], probabilities [..., N]): the top-N renormalised over the ids the
+    head can propose, 0 elsewhere."""
     d = index[top_ids]
     p = torch.where(d >= 0, top_logp.exp(), torch.zeros(()))
     p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)
@@ -193,13 +181,9 @@ def kd_targets(top_ids: torch.Tensor, top_logp: torch.Tensor, index: torch.Tenso
 def ttt_loss(
     head: Eagle3Head, rows: list[dict], steps: int, index: torch.Tensor, top: int = 0
 ) -> tuple[torch.Tensor, list[float]]:
-    """The weighted loss of a batch and each step's accuracy on its labelled positions.
-
-    Step j's query t scores position t+j+2, whose label is the target's greedy token after
-    position t+j+1 (`greedy[t+j+1]`); it counts where that token is an answer token (its
-    completion mask) and in the head's vocabulary. `top` > 0 (kd): the loss is the
-    cross-entropy on the target's `top` most likely tokens there (`kd_targets`) instead of on
-    its greedy token; the accuracy is still the greedy token's."""
+    """The weighted loss of a batch and each step's greedy accuracy. Step j's query t is
+    labelled `greedy[t+j+1]` where that token is an answer token within the head's vocabulary;
+    `top` > 0 (kd): cross-entropy on the top-`top` (`kd_targets`) instead."""
     ids, aux, greedy, mask, top_ids, top_logp = _batch(rows, top)
     outs = head.ttt_logits(ids, aux, steps, score=False)  # scored below where labelled
     b, t = ids.shape
@@ -210,7 +194,6 @@ def ttt_loss(
         ok = src < t
         src = src.clamp(max=t - 1)
         label_t = greedy[:, src]
-        # The label is the token at src + 1: an answer token if its mask is set.
         nxt = (src + 1).clamp(max=t - 1)
         valid = ok[None] & (src + 1 < t)[None] & mask[:, nxt]
         label = index[label_t]
@@ -241,9 +224,7 @@ def train_head(
     on_step: Callable[[int, int, float, list[float]], None] | None = None,
     top: int = 0,
 ) -> dict[str, Any]:
-    """AdamW over the cached rows (the embedding stays the target's, frozen); cosine decay after
-    a short warm-up; `top` > 0: kd on the target's top-`top` distribution (`ttt_loss`).
-    Returns the run's figures."""
+    """AdamW over the cached rows (the embedding frozen), cosine after a warm-up -> figures."""
     g = torch.Generator().manual_seed(seed)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
@@ -293,8 +274,7 @@ def train_head(
 
 
 def export(head: Eagle3Head, folder: Path, verifier: str, architectures: list[str]) -> None:
-    """`folder`: config.json + model.safetensors as vllm-project/speculators saves an Eagle3
-    speculator (vLLM reads it with `method: eagle3`). `verifier`: the target's name or path."""
+    """`folder` as speculators saves an Eagle3 speculator. `verifier`: the target's name/path."""
     from safetensors.torch import save_file
 
     c = head.config
@@ -352,9 +332,7 @@ def export(head: Eagle3Head, folder: Path, verifier: str, architectures: list[st
     if c.draft_vocab_size == c.vocab_size:  # vLLM refuses the maps with the full vocabulary
         tensors.pop("d2t")
         tensors.pop("t2d")
-    # The target's embeddings, as speculators' own checkpoints carry them: its loader leaves a
-    # missing embed_tokens uninitialised (zeros: silently wrong drafts); vLLM sees it equals
-    # the target's and shares it.
+    # speculators' loader leaves a missing embed_tokens uninitialised: write the target's.
     tensors["embed_tokens.weight"] = head._embed[0].weight.detach().float().contiguous().cpu()
     save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
     atomic_write_json(tmp / CONFIG_NAME, config)
@@ -374,9 +352,8 @@ UNSUPPORTED = {
 
 
 def config_of(config: dict, target) -> Eagle3Config:
-    """The head's config from an exported `config.json`: Phoenix's own block, else (a head
-    speculators trained) its `transformer_layer_config` and the speculators keys. A variant
-    flag this head does not implement is refused, naming it."""
+    """An exported `config.json`'s head config (Phoenix's block, else speculators' keys);
+    raises ValueError naming a variant flag this head does not implement."""
     odd = [k for k, v in UNSUPPORTED.items() if bool(config.get(k, False)) == v]
     if odd:
         raise ValueError(f"eagle3 variants {odd} (true) are not implemented by Phoenix's head")
@@ -404,8 +381,7 @@ def config_of(config: dict, target) -> Eagle3Config:
 
 
 def load_head(folder: str | Path, target, verifier: str | None = None) -> Eagle3Head:
-    """An exported head, on the target's embeddings. `verifier`: the serving target's name;
-    a head exported for another verifier is refused, naming both."""
+    """An exported head on the target's embeddings; ValueError if made for another verifier."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -461,9 +437,7 @@ def vllm_command(target: str, head_dir: str, k: int = 4) -> str:
 
 
 def vllm_caveat(aux_layers) -> str | None:
-    """Why vLLM cannot serve a head, if it cannot: vLLM taps each target layer once (it keeps
-    the set of aux layer ids), so a head fusing a layer twice (a target of under 3 layers)
-    would get two states where its fc wants three."""
+    """Why vLLM cannot serve a head (it taps each layer once: no repeated aux layer), or None."""
     if len(set(aux_layers)) == len(aux_layers):
         return None
     return (f"vLLM cannot serve this head: it fuses target layers {list(aux_layers)}, and vLLM "

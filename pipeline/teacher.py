@@ -2,11 +2,9 @@
 
     python -m pipeline distill --config configs/default.yaml     (or: make distill)
 
-Reads <artifacts>/data/train.jsonl, writes <artifacts>/teacher/answers.jsonl (one row per
-task_id, appended and flushed per answer, resumable) and summary.json. The teacher is any
-OpenAI-compatible endpoint (`teacher.url`; its client: `teacher_client.py`), or `local`:
-Phoenix's own server in target-only mode, started as a child process on a free loopback port and
-stopped afterwards (`local_teacher`).
+Reads <artifacts>/data/train.jsonl, writes <artifacts>/teacher/answers.jsonl (appended durably
+per answer, resumable) and summary.json. The teacher is any OpenAI-compatible `teacher.url`, or
+`local`: Phoenix's own server in target-only mode as a child process (`local_teacher`).
 """
 
 from __future__ import annotations
@@ -52,10 +50,8 @@ def serve_command(config, artifacts, port: int, mode: str, extra: list[str] = ()
 
 
 def local_context(cfg: Config, ws: Workspace, prompts: list[str]) -> int:
-    """The context (prompt + answer, tokens) the local teacher needs for `prompts`: the longest
-    of them as the server will see it (chat template, `template_kwargs`) plus
-    `teacher.max_tokens`, or `engine.max_context` where that is longer (the configured context
-    alone may refuse a long training prompt: 273 + 256 answer tokens pass 512)."""
+    """Tokens of context the local teacher needs: the longest rendered prompt plus
+    `teacher.max_tokens`, or `engine.max_context` where that is longer."""
     from . import models, specs  # torch and transformers: only when the local teacher runs
 
     tok = models.load_tokenizer(specs.resolve(cfg.models.target, ws.models_cache))
@@ -65,9 +61,7 @@ def local_context(cfg: Config, ws: Workspace, prompts: list[str]) -> int:
 
 
 def local_teacher_config(cfg: Config, context: int | None = None) -> Config:
-    """The local teacher's config: eager (its answers run in padded batches; compiling would
-    only cost start-up), the full head, no traffic capture (distillation's own requests are not
-    served traffic), and a context of `context` tokens (default the engine's)."""
+    """The local teacher's config: eager, the full head, no traffic capture, `context` tokens."""
     eager = cfg.engine.model_copy(
         update={"compile": "false", "draft_vocab": 0,
                 "max_context": context or cfg.engine.max_context}
@@ -78,8 +72,7 @@ def local_teacher_config(cfg: Config, context: int | None = None) -> Config:
 
 @contextlib.contextmanager
 def local_teacher(cfg: Config, ws: Workspace, context: int | None = None) -> Iterator[str]:
-    """Start `python -m pipeline serve --mode target` on a free loopback port (its config:
-    `local_teacher_config`); yield its URL."""
+    """`pipeline serve --mode target` on a free loopback port, for the block; yields its URL."""
     ws.teacher.mkdir(parents=True, exist_ok=True)
     cfg_file = ws.teacher / ".local-teacher.yaml"
     local = local_teacher_config(cfg, context)
@@ -92,11 +85,7 @@ def local_teacher(cfg: Config, ws: Workspace, context: int | None = None) -> Ite
              "log: %s", local.engine.max_context, port, log_path)  # fmt: skip
     with open(log_path, "ab") as logf:
         proc = subprocess.Popen(
-            cmd,
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            env=env,
-            preexec_fn=PREEXEC,
+            cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, preexec_fn=PREEXEC
         )
     try:
         yield f"http://127.0.0.1:{port}/v1"
@@ -107,15 +96,13 @@ def local_teacher(cfg: Config, ws: Workspace, context: int | None = None) -> Ite
 
 # --- the stage ---------------------------------------------------------------------------------
 def load_answers(path: Path) -> dict[int, dict]:
-    """Main answers already written, by task_id (the first answer of each, or the first with
-    logprobs); the extra samples too: `load_all_answers`."""
+    """The main answers (sample 0) already written, by task_id."""
     return {tid: row for (tid, j), row in load_all_answers(path).items() if j == 0}
 
 
 def load_all_answers(path: Path) -> dict[tuple[int, int], dict]:
-    """Every row by (task_id, sample), each counted once: sample 0 is the main answer (rows
-    written before extra samples existed have no `sample` field: 0), 1..N the extra samples
-    (`distill.extra_samples`). A torn last line (a crash mid-write) is cut off."""
+    """Every row by (task_id, sample) (0: the main answer; absent `sample` = 0): the first of
+    each, or the first with logprobs. A torn last line is cut off the file."""
     if not path.exists():
         return {}
     raw = path.read_bytes()
@@ -133,7 +120,6 @@ def load_all_answers(path: Path) -> dict[tuple[int, int], dict]:
         try:
             row = json.loads(line)
             key = (int(row["task_id"]), int(row.get("sample", 0)))
-            # The first answer stays, unless a later one adds the logprobs kd asked for.
             if key not in rows or ("completion_logprobs" in row) > (
                 "completion_logprobs" in rows[key]
             ):
@@ -146,8 +132,7 @@ def load_all_answers(path: Path) -> dict[tuple[int, int], dict]:
 
 
 def append_line(path: Path, line: str) -> None:
-    """Append one whole line durably; on failure (a full disk) the file is cut back to what it
-    held, so it never ends in a torn row."""
+    """Append one whole line durably (fsync); on failure the file is cut back: no torn row."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         end = os.lseek(fd, 0, os.SEEK_END)
@@ -175,7 +160,6 @@ def run(cfg: Config, ws: Workspace) -> dict[str, Any]:
     if n_logprobs:  # answers written without logprobs (an sft run) are asked again
         done = {k: r for k, r in done.items() if "completion_logprobs" in r}
     wanted = {p["task_id"] for p in prompts}
-    # Main answers first (sample 0), then extra samples 1..N.
     todo = [(p, j) for j in range(n_extra + 1) for p in prompts
             if (p["task_id"], j) not in done]  # fmt: skip
     log.info(
@@ -188,9 +172,8 @@ def run(cfg: Config, ws: Workspace) -> dict[str, Any]:
     model = cfg.teacher.model or cfg.models.served_name or cfg.models.target
     stats = {"retries": 0, "tokens": 0}
     t_start = time.perf_counter()
-    # With the local teacher: enough requests in flight to fill its batches.
     local = cfg.teacher.url == "local"
-    concurrency = max(cfg.teacher.concurrency, cfg.server.max_batch if local else 1)
+    concurrency = max(cfg.teacher.concurrency, cfg.server.max_batch if local else 1)  # fill it
     if todo:
         if local:
             context = local_context(cfg, ws, [p["prompt"] for p, _ in todo])
@@ -227,8 +210,7 @@ def run(cfg: Config, ws: Workspace) -> dict[str, Any]:
 
 
 def checked_logprobs(answer: Answer, task_id: int, url: str, cfg: Config) -> list[list]:
-    """The answer's per-token logprobs, refused when absent or when their tokens do not spell the
-    answer (they must describe exactly the tokens the draft will learn)."""
+    """The answer's per-token logprobs; TeacherLogprobsMissing if absent or not spelling it."""
     where = f"train.objective={cfg.train.objective} asks the teacher at {url} for top_logprobs"
     if not answer.logprobs and not (answer.completion == "" and answer.logprobs is not None):
         raise TeacherLogprobsMissing(
@@ -246,18 +228,16 @@ def checked_logprobs(answer: Answer, task_id: int, url: str, cfg: Config) -> lis
 
 
 def request_extra(cfg: Config) -> dict[str, Any]:
-    """The chat request's fields beside model, messages, max_tokens and temperature: template
-    switches, logprobs where kd asks the teacher for them, and the answer's token ids (the local
-    teacher always sends them; vLLM where `teacher.return_token_ids`)."""
+    """The chat request's extra fields: template switches, logprobs for kd, token ids."""
     extra: dict[str, Any] = {}
     if cfg.template_kwargs():
         extra["chat_template_kwargs"] = cfg.template_kwargs()
     n_logprobs = cfg.requested_logprobs()
     if n_logprobs:
         extra.update(logprobs=True, top_logprobs=n_logprobs)
-    if cfg.teacher.url == "local":  # Phoenix's own server: the answer's exact token ids too
+    if cfg.teacher.url == "local":
         extra["phoenix"] = {"token_ids": True}
-        if n_logprobs:  # and its logprobs' tokens as ids (exact)
+        if n_logprobs:
             extra["return_tokens_as_token_ids"] = True
     elif cfg.teacher.return_token_ids:  # vLLM's field for them (other servers may refuse it)
         extra["return_token_ids"] = True
@@ -291,9 +271,7 @@ def _answer_all(
     stats: dict,
     concurrency: int,
 ) -> None:
-    """Ask for every (prompt, sample) of `todo`: sample 0 is the prompt's main answer
-    (teacher.temperature), 1.. its extra samples (distill.sample_temperature); each row is
-    appended as it comes."""
+    """Ask for every (prompt, sample) of `todo`, appending each row as it comes."""
     t = cfg.teacher
     api_key = os.environ.get(t.api_key_env) if t.url != "local" else None
     client = TeacherClient(
@@ -304,7 +282,6 @@ def _answer_all(
         RetryBudget(t.retry_budget),
         pool_size=max(10, concurrency),
     )
-    # Phoenix's own child process on loopback is polled often: it is ready within seconds.
     client.wait_ready(model, t.ready_timeout_s, 0.25 if t.url == "local" else 4.0)
     extra = request_extra(cfg)
     n_logprobs = cfg.requested_logprobs()
@@ -314,9 +291,8 @@ def _answer_all(
     bar = tqdm(total=len(todo), desc="teacher answers", unit="ans", dynamic_ncols=True)
 
     def one(p: dict, sample: int) -> None:
-        # Sampled answers are seeded by task and sample: a rerun draws the same.
         temperature = t.temperature if sample == 0 else cfg.distill.sample_temperature
-        seed = int(p["task_id"]) * 1000 + sample
+        seed = int(p["task_id"]) * 1000 + sample  # a rerun draws the same
         seeded = {**extra, "seed": seed} if temperature > 0 else extra
         answer, retries = client.chat(
             model, [{"role": "user", "content": p["prompt"]}], t.max_tokens, temperature, seeded
@@ -345,8 +321,6 @@ def _answer_all(
             if f.exception() is not None:
                 raise f.exception()
     finally:
-        # On failure or Ctrl-C: queued prompts are dropped, in-flight ones stop retrying.
-        # Answers already written stay; the next run skips them.
-        client.cancel.set()
+        client.cancel.set()  # queued prompts dropped, in-flight ones stop retrying
         pool.shutdown(wait=False, cancel_futures=True)
         bar.close()

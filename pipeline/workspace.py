@@ -26,9 +26,8 @@ LOCK_STALE_AFTER_S = 600.0
 
 
 class Workspace:
-    """Paths of one workspace. `cache` (converted models) is shared by all runs under a root.
-    `part`: a second trained draft beside the first (`head()`: models.head=distilled), its
-    adapter and merged directories under <root>/<part>/, everything else shared."""
+    """Paths of one workspace; `cache` is shared by all runs under a root. `part`: a second
+    trained draft (`head()`) whose adapter/ and merged/ live under <root>/<part>/."""
 
     def __init__(self, root: str | Path, cache: str | Path | None = None, part: str = ""):
         self.root = Path(root)
@@ -36,7 +35,7 @@ class Workspace:
         self.part = part
 
     def head(self) -> Workspace:
-        """Where the EAGLE-3 head trained beside the draft lives (models.head=distilled)."""
+        """The EAGLE-3 head trained beside the draft (models.head=distilled)."""
         return Workspace(self.root, self.cache, part="head")
 
     @property
@@ -95,8 +94,7 @@ class Workspace:
     def lock(
         self, job: str, run_id: str | None = None, timing=None
     ) -> contextlib.AbstractContextManager:
-        """This workspace's lock, held for the duration of a stage (see `workspace_lock`);
-        `timing`: the config's `lock` section (heartbeat_s, stale_after_s)."""
+        """`workspace_lock` on this workspace; `timing`: the config's `lock` section."""
         if timing is None:
             return workspace_lock(self.lock_file, job, run_id)
         return workspace_lock(self.lock_file, job, run_id, timing.heartbeat_s, timing.stale_after_s)
@@ -125,15 +123,10 @@ def workspace_lock(
     heartbeat_s: float = LOCK_HEARTBEAT_S,
     stale_after_s: float = LOCK_STALE_AFTER_S,
 ) -> Iterator[None]:
-    """Hold `path` (linked into place whole, JSON naming its holder: pid, host, job, run, start,
-    heartbeat) while the block runs. A second process gets `LockHeld` (exit 6) at once, naming
-    the holder; a lock left by a dead process on this host is cleared. The holder refreshes its
-    heartbeat every `heartbeat_s`; a lock from another host whose heartbeat is older than
-    `stale_after_s` (a pod evicted mid-run: its pid cannot be checked from here) is taken over
-    with a WARNING naming the old holder, while a live holder elsewhere is respected.
-    Re-entrant within one process, so `retrain` and `demo` hold it across the stages they run.
-    In a distributed launch (torchrun, accelerate) rank 0 holds it for the whole job; the other
-    ranks work under it."""
+    """Hold `path` (JSON naming its holder, linked into place whole) while the block runs.
+    Another process gets `LockHeld` (exit 6) at once; a dead holder on this host is cleared; a
+    holder on another host silent for `stale_after_s` (heartbeat every `heartbeat_s`) is taken
+    over with a WARNING. Re-entrant within a process; in a distributed launch rank 0 holds it."""
     if os.environ.get("RANK", "0").strip() not in ("", "0"):  # a non-zero rank of a launch
         yield
         return
@@ -161,8 +154,6 @@ def workspace_lock(
         "heartbeat": time.time(),
         "token": os.urandom(8).hex(),  # this holding, whatever the pid (pids repeat across pods)
     }
-    # The holder is written to a private file first and linked into place: whoever reads the
-    # lock sees a whole record, never an empty file being written.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
     tmp.write_text(json.dumps(me))
     try:
@@ -189,8 +180,7 @@ def workspace_lock(
 
 
 def _heartbeat(path: Path, me: dict, every_s: float, stop: threading.Event) -> None:
-    """Refresh the lock's heartbeat until `stop`; stop refreshing a lock no longer ours (taken
-    over as stale: the job goes on, and says so)."""
+    """Refresh the lock's heartbeat until `stop`, or until it is no longer ours (an error log)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.beat")
     while not stop.wait(every_s):
         try:
@@ -204,8 +194,7 @@ def _heartbeat(path: Path, me: dict, every_s: float, stop: threading.Event) -> N
 
 
 def _last_sign_of_life(holder: dict) -> float | None:
-    """Epoch seconds of the holder's last heartbeat (a lock written before heartbeats: its
-    start), None if it says neither."""
+    """Epoch seconds of the holder's last heartbeat, else its start, else None."""
     if isinstance(holder.get("heartbeat"), int | float):
         return float(holder["heartbeat"])
     try:
@@ -257,8 +246,7 @@ def _take_lock(path: Path, tmp: Path, me: dict, stale_after_s: float) -> None:
 
 
 def make_temp_dir(parent: str | Path, prefix: str) -> Path:
-    """A temporary directory beside its final place (same filesystem, so a rename publishes it),
-    readable by others like any directory (mkdtemp alone gives 0700)."""
+    """A temporary directory (0755) beside its final place, so a rename publishes it."""
     parent = Path(parent)
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
