@@ -170,7 +170,7 @@ class RowBatch:
         )  # fmt: skip
 
     def _prefill(self, tc: RowCache, joined: list[Row]) -> list[torch.Tensor | None]:
-        """Prefill all but each prompt's last token; returns per joiner its tapped states, or None."""
+        """Prefill all but each prompt's last token; returns each joiner's tapped states or None."""
         taps = self._taps(joined)
         t0 = time.perf_counter()
         fed = prefill(self.models.target, tc, [r.tslot for r in joined],
