@@ -40,7 +40,7 @@ class Proposer(Protocol):
 
 
 def full_distribution(q: torch.Tensor, ids: torch.Tensor | None, vocab: int) -> torch.Tensor:
-    """`q` over the target's `vocab`, zero-filled (from a pruned head's `ids` or a smaller vocab)."""
+    """`q` over the target's `vocab`, zero-filled (a pruned head's over `ids`, or a smaller vocab)."""
     if ids is None and q.shape[-1] == vocab:
         return q
     full = q.new_zeros(vocab)
