@@ -235,7 +235,7 @@ class Eagle3Head(nn.Module):
 
     @torch.inference_mode()
     def step_ms(self, context: int = 64, repeat: int = 30) -> float:
-        """Median ms of one one-row guess after `context` states in a scratch cache."""
+        """Median ms of a one-row guess after `context` states in a scratch cache."""
         dev, dtype = self.fc.weight.device, self.fc.weight.dtype
         _, pre = self.forward_step(
             torch.zeros(1, context, dtype=torch.long, device=dev),

@@ -106,10 +106,7 @@ def draw(probs: torch.Tensor, g: torch.Generator | None) -> int:
 
 
 def verify(
-    drafts: Sequence[int],
-    q: torch.Tensor | None,
-    p: torch.Tensor,
-    g: torch.Generator | None,
+    drafts: Sequence[int], q: torch.Tensor | None, p: torch.Tensor, g: torch.Generator | None
 ) -> tuple[int, int]:
     """One row's round (module docstring): q [k, V] or None (point masses), p [k + 1, V].
     Returns (accepted m, next token: the residual draw at m, or the bonus from p[k])."""
