@@ -143,8 +143,9 @@ async def list_models(request: Request):
 
 @router.post("/admin/reload-draft")
 async def reload_draft(request: Request):
-    """Swap in the draft `server.draft` names now. 403 beyond loopback without a key (unless
-    `server.allow_unauthenticated_admin`); 500 if the new draft fails (the old keeps serving)."""
+    """Swap in the draft `server.draft` names now: 200 with what happened; 403 beyond loopback
+    without a key (unless `server.allow_unauthenticated_admin`); 500 if the new draft fails to
+    load (the old keeps serving)."""
     st = _state(request)
     if not st.admin_open:
         raise APIError(

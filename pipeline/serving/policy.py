@@ -241,7 +241,7 @@ def make_policy(
     prior: tuple[dict, str] | None = None,
     head_weights: str | None = None,
 ) -> Policy:
-    """The policy per the `bandit` section over `arms` (other arguments: `Policy`'s)."""
+    """The policy per the `bandit` section over `arms`; `prior` weighs `bench_prior_rounds`."""
     return Policy(
         make_bandit(b, arms, policy), make_guard(b), state_file, b.save_every_s, clock=clock,
         draft_weights=draft_weights, prior=prior, prior_rounds=b.bench_prior_rounds,
