@@ -1,11 +1,5 @@
-"""The app's lifecycle: `create_app` (state, background model loading, the API-key and body-size
-gate, shutdown), `build_app` from a config, `serve` and `run_server` (uvicorn).
-
-/health answers 503 while the models load, after a load failure, while shutting down, or when
-generation is stuck; everything else waits for the loaded core. Shutdown stops admitting, lets
-running requests finish within `server.shutdown_timeout_s`, cancels the rest, then closes the
-core, the traffic log and telemetry.
-"""
+"""The app's lifecycle: `create_app` (state, background loading, the key and body-size gate,
+shutdown), `build_app` from a config, `serve` and `run_server` (uvicorn)."""
 
 from __future__ import annotations
 
@@ -51,11 +45,9 @@ def create_app(
     host: str = "127.0.0.1",
     allow_unauthenticated_admin: bool = False,
 ) -> FastAPI:
-    """`load_core` runs in a background thread at start-up; /health says 503 until it is done.
-    `traffic_log`: capture served requests. `reloader(get_core, metrics)`: hot swaps of the
-    draft (POST /admin/reload-draft), polling every `reload_poll_s` when > 0. `host`: the
-    address it will listen on: beyond loopback and without an API key, one WARNING now and the
-    admin endpoints answer 403 unless `allow_unauthenticated_admin`."""
+    """`load_core` runs on a background thread (/health 503 until done). `reloader(get_core,
+    metrics)`: draft hot swaps, polled every `reload_poll_s` if > 0. `host` beyond loopback with
+    no API key: a WARNING, and admin endpoints 403 unless `allow_unauthenticated_admin`."""
     st = ServerState(
         telemetry=telemetry or NullTelemetry(),
         admission=Admission(queue_size),
@@ -109,8 +101,8 @@ def _metrics_of(st: ServerState, gc_pauses: heap.GCPauses) -> Metrics:
 def _loader(
     st: ServerState, load_core: Callable[[], ServingCore], reload_poll_s: float
 ) -> Callable[[], None]:
-    """What the start-up thread runs: the core loaded, the heap frozen, then `st.core` set (the
-    server is ready); a failure is kept in `st.error` for /health, and the process stays up."""
+    """Start-up: load the core, freeze the heap, set `st.core` (ready); a failure goes to
+    `st.error` for /health and the process stays up."""
 
     def load() -> None:
         try:
@@ -151,8 +143,7 @@ def _lifespan(st: ServerState, load: Callable[[], None], gc_pauses: heap.GCPause
 
 
 async def _shut_down(st: ServerState) -> None:
-    """uvicorn has stopped accepting and waited (up to the deadline) for running requests;
-    whatever still generates is cancelled and leaves after the current step."""
+    """After uvicorn's graceful wait: cancel what still runs; close core, traffic, telemetry."""
     st.closing = True
     st.stopping.set()
     with st.inflight_lock:
@@ -225,8 +216,8 @@ def serve(cfg, ws, host: str | None, port: int | None, mode: str | None) -> None
 
 
 def build_app(cfg, ws, mode: str | None = None, host: str | None = None) -> FastAPI:
-    """The app `serve` runs: the draft resolved (`server.draft`) and checked now, so a missing
-    or unloadable one exits 2 before anything listens; models load in the background."""
+    """The app `serve` runs. The draft is resolved now (a bad one exits 2 before listening);
+    models load in the background."""
     mode = mode or cfg.server.mode
     served, full_head = None, False
     if mode != "target":
@@ -270,8 +261,8 @@ def build_app(cfg, ws, mode: str | None = None, host: str | None = None) -> Fast
 
 
 def run_server(app: FastAPI, host: str, port: int) -> None:
-    """Serve until SIGTERM or Ctrl-C. Then: stop admitting (/health says 503), let running
-    requests finish within `shutdown_timeout_s`, cancel the rest, flush telemetry, exit."""
+    """Serve until SIGTERM or Ctrl-C; then stop admitting (/health 503), let running requests
+    finish within `shutdown_timeout_s`, cancel the rest, exit."""
     import uvicorn
 
     st: ServerState = app.state.phoenix

@@ -1,14 +1,9 @@
-"""The routes: /health, /metrics, /v1/models, /v1/chat/completions, /v1/completions and
-/admin/reload-draft, over the state they share (`ServerState`, `app.state.phoenix`).
+"""The routes, over their shared `ServerState` (`app.state.phoenix`).
 
-A handler validates, tokenises (off the event loop, the prompt's length bounded first), builds
-one `serving.Request` and hands it to the core (`ServingCore.submit`) behind a bounded admission
-(a full server answers 429); the core answers through the request's future. The admission slot
-is handed back when generation ends, whatever the client does; a client that leaves sets the
-request's `cancel`, and it leaves the batch after the current step. Streamed text reaches the
-response through an unbounded queue (bounded by max_tokens), so the step loop never waits for a
-reader. Every finished request is observed once (telemetry, metrics, traffic) in a task of its
-own, so a response that ends early does not end it.
+A handler validates, tokenises off the event loop (length bounded first) and submits one
+`serving.Request` behind a bounded admission (full: 429). The slot is freed when generation
+ends, whatever the client does; a client that leaves cancels its row. Streamed text goes
+through a queue bounded only by max_tokens, so the step loop never waits on a reader.
 """
 
 from __future__ import annotations
@@ -46,8 +41,7 @@ from .schemas import (
 
 
 class Admission:
-    """At most `size` requests admitted (waiting for the models or generating). Thread-safe:
-    a slot is taken on the event loop and handed back by the request's generation thread."""
+    """At most `size` requests admitted (waiting or generating). Thread-safe."""
 
     def __init__(self, size: int):
         self.size = size
@@ -116,8 +110,8 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request):
-    """200 when ready and generating normally; 503 while loading, after a load failure, while
-    shutting down, or when generation has made no progress for `server.stuck_after_s`."""
+    """200 when ready; 503 while loading, after a load failure, shutting down, or when generation
+    has made no progress for `server.stuck_after_s`."""
     st = _state(request)
     if st.closing:
         return JSONResponse({"status": "shutting_down"}, status_code=503)
@@ -135,8 +129,7 @@ async def health(request: Request):
 
 @router.get("/metrics")
 async def metrics(request: Request):
-    """Prometheus exposition (vLLM's spec-decode names, `phoenix:` prefix); no API key, like
-    /health, so a scraper needs no secret."""
+    """Prometheus exposition (vLLM's names, `phoenix:` prefix); no API key, like /health."""
     return Response(_state(request).metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -150,10 +143,9 @@ async def list_models(request: Request):
 
 @router.post("/admin/reload-draft")
 async def reload_draft(request: Request):
-    """Swap in the draft `server.draft` names now (the newly promoted one, with `latest`).
-    Behind the API key when one is set; without a key on an address other than loopback, 403
-    unless `server.allow_unauthenticated_admin`. 200 with what happened; 500 when the new draft
-    failed to load (the old one keeps serving)."""
+    """Swap in the draft `server.draft` names now: 200 with what happened; 403 beyond loopback
+    without a key (unless `server.allow_unauthenticated_admin`); 500 if the new draft fails to
+    load (the old keeps serving)."""
     st = _state(request)
     if not st.admin_open:
         raise APIError(
@@ -246,8 +238,7 @@ def body_too_large(st: ServerState) -> APIError:
 
 
 def _check(st: ServerState, core: ServingCore, req: CommonRequest, prompt_ids: list[int]):
-    """(max_tokens, mode, sampling) of a valid request; a 4xx APIError naming the problem
-    otherwise."""
+    """(max_tokens, mode, sampling) of a valid request, else a 4xx APIError naming the problem."""
     if req.model != core.model_id:
         raise APIError(
             404,
@@ -362,8 +353,7 @@ async def _complete(request: Request, req: CommonRequest, prompt_ids: list[int],
 
 
 async def _observe(st: ServerState, creq: CoreRequest, kind: str, capture: bool) -> CoreResult:
-    """One request's telemetry, metrics and traffic record, however its client behaves: a task
-    of its own, so a response that ends early does not end it."""
+    """One request's telemetry, metrics and traffic record, in its own task (outlives the reply)."""
     with st.telemetry.request(creq.mode, st.core.draft_id) as rec:
         try:
             res = await asyncio.wrap_future(creq.future)
@@ -383,8 +373,7 @@ async def _observe(st: ServerState, creq: CoreRequest, kind: str, capture: bool)
 
 
 async def _stream(creq, outcome, pieces, reply: Reply, include_usage: bool, watcher):
-    """The SSE body. However it ends (finished, client gone, server cancelled), the request is
-    cancelled if it still runs."""
+    """The SSE body; however it ends, the request is cancelled if it still runs."""
     try:
         if reply.kind == "chat":
             yield reply.chunk(None, None, None, role=True)
@@ -395,16 +384,8 @@ async def _stream(creq, outcome, pieces, reply: Reply, include_usage: bool, watc
         except Cancelled:
             return
         except Exception as exc:
-            yield reply.sse(
-                {
-                    "error": {
-                        "message": f"generation failed: {exc}",
-                        "type": "server_error",
-                        "param": None,
-                        "code": None,
-                    }
-                }
-            )
+            err = {"message": f"generation failed: {exc}", "type": "server_error"}
+            yield reply.sse({"error": {**err, "param": None, "code": None}})
             return
         yield reply.chunk(None, None, res.finish_reason)
         if include_usage:

@@ -1,8 +1,5 @@
-"""OpenAI response bodies and SSE chunks of one request, built from its `CoreResult`.
-
-Every body carries OpenAI's `usage` (accepted and rejected prediction tokens: the draft's) and
-Phoenix's own `phoenix` object (`PHOENIX_FIELDS` of the request's record).
-"""
+"""OpenAI response bodies and SSE chunks of one request, from its `CoreResult`: each carries
+`usage` (with the draft's accepted/rejected prediction tokens) and a `phoenix` object."""
 
 from __future__ import annotations
 
@@ -15,9 +12,7 @@ from ..serving.request import CoreResult
 
 
 class TokenText:
-    """How a logprob entry names its token: its text (`tokenizer.decode([id])`), or vLLM's
-    `token_id:N` when the request asked `return_tokens_as_token_ids` (exact, where a byte-level
-    token's own text may be a fragment of a character)."""
+    """A logprob entry's token name: its decoded text, or vLLM's `token_id:N` (exact) when asked."""
 
     def __init__(self, tokenizer, as_ids: bool = False):
         self.tokenizer = tokenizer
@@ -65,9 +60,8 @@ class Reply:
         return "data: " + json.dumps(obj) + "\n\n"
 
     def logprobs(self, entries: list | None, offset: int = 0) -> dict | None:
-        """OpenAI's logprobs object for these (token, logprob, top) entries: chat's `content`
-        list, or the legacy completions' four lists (`offset`: the text before them). None
-        when not asked for (a chunk: when it has none)."""
+        """OpenAI's logprobs for (token, logprob, top) entries: chat's `content`, or completions'
+        four lists (`offset`: text before them). None when not asked (a chunk: when empty)."""
         if entries is None:
             return None
         name = self.tokens.text

@@ -1,9 +1,7 @@
-"""The OpenAI request schemas and the error body every refusal carries.
+"""The OpenAI request schemas and the error body every refusal carries (`APIError`, a 4xx).
 
-Bad input is always a 4xx with an OpenAI-style error body (`APIError`), never a 500. Fields that
-change nothing (user, metadata, store, ...) are accepted; a field that would change the answer
-and that Phoenix does not serve is refused with a 400 naming it (`UNSERVED`), never silently
-ignored: a client must not get a different answer than it asked for.
+Fields that change nothing (user, metadata, ...) are accepted; a field that would change the
+answer and is not served gets a 400 naming it (`UNSERVED`), never silently ignored.
 """
 
 from __future__ import annotations
@@ -30,25 +28,12 @@ class APIError(Exception):
         headers=None,
     ):
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type_,
-            param,
-            code,
-        )
-        self.headers = headers
+        self.status, self.message, self.type = status, message, type_
+        self.param, self.code, self.headers = param, code, headers
 
     def response(self) -> JSONResponse:
-        body = {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return JSONResponse({"error": error}, status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -1,9 +1,5 @@
-"""The serving core: a `Request` in, a `CoreResult` out, every request on one step loop.
-
-Shared by the HTTP server, the local teacher and the bench (`make_core` builds every core).
-`submit`: the policy picks the arm (bandit mode; a fixed mode runs its arm), the text tracker
-turns tokens into final text and stop strings, the scheduler runs the row; at the end the
-request's goodput teaches the policy and its `future` gets the result. Knows nothing of HTTP.
+"""The serving core: a `Request` in, a `CoreResult` out, on one step loop; no HTTP. Shared by
+the server, the local teacher and the bench (`make_core` builds every core).
 """
 
 from __future__ import annotations
@@ -51,10 +47,9 @@ class ServingCore:
         target_spec: str | None = None,
         start: bool = True,
     ):
-        """`limit`: the longest prompt + output a row may reach (default: the models' context);
-        `draft_info`: what /v1/models says of the draft (drafts.ServedDraft.describe());
-        `start=False`: the loop runs on the caller's thread until `scheduler.start()`
-        (`Scheduler`: one thread runs the models)."""
+        """`limit`: longest prompt + output (default the models' context); `draft_info`:
+        `ServedDraft.describe()`; `start=False`: the loop runs on the caller's thread until
+        `scheduler.start()`."""
         self.pair = pair
         self.tokenizer = pair.tokenizer
         self.policy = policy
@@ -74,14 +69,13 @@ class ServingCore:
                                    start=start)  # fmt: skip
         self._labels = {0: draft_id}  # draft epoch -> the draft's label
         self._gate_memo: tuple[int, int, list[int]] | None = None  # (changes, step, caps)
-        # A prompt longer than this cannot fit the context, whatever its tokens: refused before
-        # it is tokenised (a byte-level token spells at most its longest entry's characters).
+        # A longer prompt cannot fit the context whatever its tokens: refused before tokenising.
         self.max_prompt_chars = self.max_context * models.longest_token_chars(self.tokenizer)
 
     # -- what the server reads --------------------------------------------------------------------
     @property
     def models(self):
-        """The models the step loop runs over now (`speculative.loaded.Models`)."""
+        """The models the step loop runs over now."""
         return self.scheduler.batch.models
 
     @property
@@ -153,9 +147,8 @@ class ServingCore:
         )
 
     def _gate(self, rows: list) -> list[int]:
-        """The scheduler's per-step gate: how many tokens each row may guess at this batch,
-        judged again when a row joins or leaves, else every `GATE_EVERY` steps. The caps bound
-        guesses only, so outputs stay the target's (greedy) or its distribution (sampled)."""
+        """Per-step caps on each row's guesses, redone when rows change or every `GATE_EVERY`
+        steps. Caps bound guesses only, so outputs stay exact."""
         batch = self.scheduler.batch
         if not batch.cost.seen:
             return [r.k_eff for r in rows]
@@ -169,9 +162,7 @@ class ServingCore:
         return caps
 
     def calibrate(self, tokens: int = 16) -> None:
-        """Before serving: time one short generation alone per arm of the bandit (every K) and
-        plain, so the goodput policy can price arms whose acceptance it knows without warm-up
-        requests (`RowBatch.calibrate`)."""
+        """Before serving, time plain and every bandit arm alone (`RowBatch.calibrate`)."""
         arms = sorted({parse_arm(a) for a in self.policy.arms} | {parse_arm(0)},
                       key=lambda a: (a.k > 0, str(a)))  # fmt: skip
         prompt = self.chat_prompt_ids([{"role": "user", "content": CALIBRATION_PROMPT}])
@@ -234,34 +225,21 @@ class ServingCore:
                 out.guard_event = self.policy.reward(decision, out, context, cost, load)
             req.future.set_result(out)
 
-        self.scheduler.submit(
-            Job(
-                req.prompt_ids,
-                req.max_tokens,
-                arm,
-                on_done,
-                on_tokens,
-                req.cancel,
-                req.submitted,
-                sampling=req.sampling,
-                adaptive=decision is not None,
-            )  # fmt: skip
-        )
+        job = Job(req.prompt_ids, req.max_tokens, arm, on_done, on_tokens, req.cancel,
+                  req.submitted, sampling=req.sampling, adaptive=decision is not None)  # fmt: skip
+        self.scheduler.submit(job)
 
     def generate(self, req: Request, timeout: float | None = None) -> CoreResult:
-        """`submit` and wait for the result (the bench, the tests); a loop not started runs
-        here until it is done."""
+        """`submit` and wait; a loop not started runs here until done."""
         self.submit(req)
         if not self.scheduler.started:
             self.scheduler.drain()
         return req.result(timeout)
 
     def swap_draft(self, pair: models.Pair, draft_id: str, draft_info: dict) -> float:
-        """Serve `pair` (same target, a new draft; `draft_info`: `ServedDraft.describe()`, whose
-        `head` is the EAGLE-3 head served beside it) from the next step on: running draft rows
-        catch up on the new draft (their output stays exact; their rewards are dropped). The draft
-        model's arms' statistics start over, and the head's unless it is the same weights
-        (`Policy.forget_draft_arms`); the drift guard forgets its speculative window. Returns the
+        """Serve `pair` (same target, new draft; `draft_info`: `ServedDraft.describe()`) from the
+        next step on. Running rows stay exact (their rewards are dropped); the replaced draft's
+        or head's arm statistics and the guard's speculative window start over. Returns the
         seconds generation paused."""
 
         def swap(batch: RowBatch) -> float:
@@ -283,9 +261,8 @@ class ServingCore:
 
 
 def served_weights(pair: models.Pair, head: str | None = None) -> tuple[str | None, str | None]:
-    """The weights ids of the served draft model and EAGLE-3 head (a directory's hash; a Hub id
-    or cut spec: the text; None: none, or not known). `head`: the head's directory, served
-    beside a draft model (`ServedDraft.head`); a draft that is itself a head is the head."""
+    """(draft, head) weights ids: a directory's hash, else the spec text; None if none. `head`:
+    a head served beside the draft model; a draft that is a head counts as the head."""
     ref = pair.draft_ref
     if ref is None:
         return None, None
@@ -301,9 +278,8 @@ def weights_of(ref: str) -> str:
 def build_core(
     cfg: Config, ws, served=None, mode: str | None = None, full_head: bool = False
 ) -> ServingCore:
-    """Load the models per config and build the server's core (the local teacher's too: mode
-    target). `served`: the draft, already chosen (`drafts.resolve_served`); None: target only.
-    `full_head`: the draft proposes over its whole vocabulary whatever `engine.draft_vocab`."""
+    """Load the models and build a started core. `served`: `drafts.resolve_served`'s (None:
+    target only); `full_head`: ignore `engine.draft_vocab`."""
     mode = mode or cfg.server.mode
     pair = models.load_pair(
         cfg,
@@ -343,20 +319,12 @@ def make_core(
     prior: tuple[dict, str] | None = None,
     start: bool = True,
 ) -> ServingCore:
-    """Every serving core (server, local teacher, bench, tests) is built here, its policy from
-    the config's `bandit` section. `mode`: the default mode (default `server.mode`);
-    `draft_id`, `draft_info`: the draft's label (tags, metrics) and what /v1/models says of it
-    (`ServedDraft.describe()`: its `head`, the head's weights the state file records);
-    `max_batch`: rows the loop runs together (default `server.max_batch`); `policy`: another
-    `bandit.policy`; `prior`: acceptance for the bandit to start from (`drafts.bench_prior`);
-    `start=False`: the loop runs on the caller's thread until `core.scheduler.start()`."""
+    """Build a core, its policy from `cfg.bandit`. Defaults: `mode` `server.mode`, `max_batch`
+    `server.max_batch`, `policy` `bandit.policy`. `draft_id`: the draft's label; `draft_info`:
+    `ServedDraft.describe()`; `prior`: `drafts.bench_prior`'s; `start`: as `ServingCore`'s."""
     has_draft = pair.draft_ref is not None
-    runnable = [
-        a
-        for a in cfg.bandit.arms
-        if usable(a, pair.models.drafter is not None, pair.models.head is not None)
-    ]
-    arms = runnable or ["0"]  # fmt: skip
+    has = (pair.models.drafter is not None, pair.models.head is not None)
+    arms = [a for a in cfg.bandit.arms if usable(a, *has)] or ["0"]
     beside = (draft_info or {}).get("head")  # an EAGLE-3 head beside the draft model, if any
     draft, head = served_weights(pair, beside) if state_file is not None else (None, None)
     chooser = make_policy(cfg.bandit, arms, state_file, policy, clock, draft_weights=draft,

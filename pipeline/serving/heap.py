@@ -1,25 +1,9 @@
-"""The start-up heap, kept out of the garbage collector's way.
+"""The start-up heap frozen out of the garbage collector's way (as vLLM's `freeze_gc_heap`),
+and GC pauses timed for `phoenix:gc_pause_seconds` (why: docs/serving.md).
 
-A served process holds several hundred thousand Python objects that live as long as it does:
-the models' modules and transformers' and torch's tables, and with `engine.compile` the compiled
-graphs' code, guards and symbolic shapes. CPython's cyclic collector walks every one of them in
-each full (oldest-generation) collection, holding the GIL, so the step loop and every row in it
-wait it out (hundreds of milliseconds a collection on the embedded default: docs/serving.md,
-`python -m benchmarks.gc_heap`).
-
-`freeze()` runs once the server is warm, before /health turns 200, as vLLM's engine core does
-after its start-up (`freeze_gc_heap`): a full collection, then `gc.freeze()`, which moves every
-object tracked then to a permanent generation the collector skips. A draft swap freezes again
-(`refreeze`: the old draft's objects are unfrozen and collected first, so a cycle among them is
-not kept for the process's life; that one collection pauses the loop as any full one does).
-`release()` at shutdown: the last holder in the process (tests run many servers in one) gives
-the heap back to the collector.
-
-`GCPauses` times every collection (`gc.callbacks`) for the histogram `phoenix:gc_pause_seconds`
-by generation, so a pause shows on /metrics rather than as an unexplained stall. The callback
-only appends to a deque: a collection can start on any thread at any allocation, one holding a
-metric's lock included, so the histogram is fed when /metrics is read (`drain`), not from
-inside the collection.
+`freeze()` once warm, `refreeze()` after a draft swap, `release()` at shutdown (the last holder
+in the process unfreezes). `GCPauses`' callback only appends to a deque (a collection may start
+on a thread holding a metric's lock); /metrics `drain`s it.
 """
 
 from __future__ import annotations
@@ -35,9 +19,8 @@ _holders = 0  # servers (and benches) in this process that froze the heap and ha
 
 
 def freeze() -> tuple[int, float]:
-    """Collect every generation, then freeze what is left (`gc.freeze`), and hold the heap
-    frozen until `release`. Returns (objects frozen by this call, seconds the full collection
-    took: what each such collection cost before)."""
+    """Full collection, then `gc.freeze`, held until `release`. Returns (objects frozen,
+    seconds the collection took)."""
     global _holders
     with _lock:
         _holders += 1
@@ -45,16 +28,14 @@ def freeze() -> tuple[int, float]:
 
 
 def refreeze() -> tuple[int, float]:
-    """Freeze again after objects frozen earlier may have died (a swapped-out draft): back to
-    the collector first, so cyclic garbage among them is collected. Holders unchanged."""
+    """Unfreeze, collect (a swapped-out draft's cycles) and freeze again; holders unchanged."""
     with _lock:
         gc.unfreeze()
         return _collect_and_freeze()
 
 
 def release() -> None:
-    """One holder lets go; the last gives the heap back to the collector (`gc.freeze` is the
-    process's, and tests run several servers in one)."""
+    """One holder lets go; the last unfreezes (`gc.freeze` is process-wide)."""
     global _holders
     with _lock:
         _holders = max(0, _holders - 1)
@@ -76,9 +57,8 @@ def _collect_and_freeze() -> tuple[int, float]:
 
 
 class GCPauses:
-    """Every garbage collection while attached: (generation, seconds), kept until `drain`ed
-    (the newest 10,000 young ones; full ones apart, so frequent young collections between two
-    reads of /metrics cannot push them out)."""
+    """(generation, seconds) of every collection while attached, until `drain`ed (newest 10,000;
+    full ones kept apart so young ones cannot push them out)."""
 
     def __init__(self):
         self.young: deque[tuple[int, float]] = deque(maxlen=10_000)

@@ -1,11 +1,6 @@
-"""The arm per request, with the batch in view: the bandit's choice, the drift guard, the
-bandit's state on disk. No threads, no models; time comes from an injected clock.
-
-`choose`: the drift guard may hold a bandit request plain (or probe after a cool-down), else the
-bandit (`bandit.policy`) chooses. `reward`: a finished request teaches the bandit its goodput
-and per-position acceptance, and the guard judges it against `plain_rate` at its load. The state
-file is written at most every `save_every_s`, with the weights ids of the draft model and the
-head it measured: restored beside other weights, their arms start over (as on a hot swap).
+"""The arm per request: the bandit, the drift guard, and the bandit's state file (written at most
+every `save_every_s`, with the draft and head weights ids it measured: restored beside other
+weights, their arms start over). No threads, no models; the clock is injected.
 """
 
 from __future__ import annotations
@@ -55,10 +50,8 @@ class Policy:
         prior_rounds: float = 0.0,
         head_weights: str | None = None,
     ):
-        """`draft_weights`, `head_weights`: the weights ids of the served draft model and
-        EAGLE-3 head (`serving.core.served_weights`), kept in the state file. `prior`:
-        (acceptance per strategy, where it is from; `drafts.bench_prior`) for a goodput bandit
-        to start from where its state has no figures, weighted as `prior_rounds` rounds."""
+        """`draft_weights`, `head_weights`: `core.served_weights`, kept in the state file. `prior`:
+        `drafts.bench_prior`'s (acceptance, source), seeding a goodput bandit as `prior_rounds`."""
         self.bandit = bandit
         self.draft_weights = draft_weights
         self.head_weights = head_weights
@@ -81,13 +74,12 @@ class Policy:
                 log.info("bandit: acceptance of %s from %s", ", ".join(self.seeded), prior[1])
 
     def _arms_of(self, draft: bool, head: bool) -> list:
-        """The arms that run on the draft model (`draft`) and on the head (`head`)."""
+        """The arms on the draft model (if `draft`) and on the head (if `head`)."""
         arms = [parse_arm(a) for a in self.bandit.arms]
         return [str(a) for a in arms if (draft and a.needs_draft) or (head and a.needs_head)]
 
     def _check_draft(self, state_file: Path) -> None:
-        """Forget the arms of the draft model or of the head whose weights the state measured
-        are not these (a new merge, `server.draft` or `models.head` changed)."""
+        """Forget the draft's or head's arms if the state measured other weights."""
         try:
             saved = json.loads(state_file.read_text())
         except (OSError, ValueError):
@@ -124,10 +116,8 @@ class Policy:
         self, rows: list, step_cost: tuple, draft_cost: tuple | None,
         head_cost: tuple | None = None,
     ) -> list[int]:  # fmt: skip
-        """Per row of a step (`batch.Row`s, their `k_eff` set): the most tokens it may guess
-        this step. The goodput policy caps the adaptive rows together at this batch
-        (`GoodputBandit.step_caps`: the rows' own figures, the loop's curves); other policies,
-        and fixed arms, guess their k."""
+        """Per row (`k_eff` set), the most it may guess this step: `GoodputBandit.step_caps`;
+        other policies guess their k_eff."""
         if not isinstance(self.bandit, GoodputBandit) or len(rows) <= 1:
             return [r.k_eff for r in rows]
         view = []
@@ -141,10 +131,8 @@ class Policy:
         self, decision: Decision, result, context: Context, step_cost: tuple | None = None,
         rows: int | None = None,
     ) -> dict | None:  # fmt: skip
-        """Teach the bandit one finished request (`result`: its CoreResult, chosen in
-        `context`); returns the drift guard's event, if any. The guard judges its goodput
-        against plain's at the load it ran at: `rows`, its mean batch, and `step_cost`, the
-        curve for that many rows (defaults: the context's, the load it joined)."""
+        """Teach the bandit one finished `CoreResult`; returns the guard's event, if any. The guard
+        compares with plain at `rows` / `step_cost` (default: the context's, the load it joined)."""
         res = result.result
         reward = result.goodput
         weight = max(res.cost_s or res.latency_s, 1e-6)  # an arm's mean: its tokens over its time
@@ -185,9 +173,8 @@ class Policy:
     def forget_draft_arms(
         self, draft_weights: str | None = None, head_weights: str | None = None
     ) -> None:
-        """A new draft (`draft_weights`, `head_weights`: the weights ids of its draft model and
-        head): the draft model's arms start over, and the head's unless its weights id is known
-        and unchanged; the guard forgets its speculative window."""
+        """A new draft: its arms start over, the head's too unless its weights id is known and
+        unchanged; the guard forgets its speculative window."""
         same_head = head_weights is not None and head_weights == self.head_weights
         self.draft_weights, self.head_weights = draft_weights, head_weights
         self.bandit.forget(self._arms_of(True, not same_head))
@@ -213,8 +200,7 @@ class Policy:
 def make_bandit(
     b: BanditConfig, arms: list | None = None, policy: str | None = None, seed: int | None = None
 ) -> EpsilonGreedy:
-    """A fresh bandit per the `bandit` section (over `arms`, default `bandit.arms`; `policy`
-    and `seed` may replace the section's), seeded."""
+    """A fresh, seeded bandit per the `bandit` section (`arms`, `policy`, `seed` override it)."""
     args = (arms or b.arms, random.Random(b.seed if seed is None else seed), b.warmup_pulls)
     kw = dict(
         epsilon_start=b.epsilon_start,
@@ -255,9 +241,7 @@ def make_policy(
     prior: tuple[dict, str] | None = None,
     head_weights: str | None = None,
 ) -> Policy:
-    """The policy per the `bandit` section over these arms (`draft_weights`, `head_weights`:
-    the served draft model's and head's weights ids, checked against the state file's;
-    `prior`: `drafts.bench_prior`'s, weighted per `bandit.bench_prior_rounds`)."""
+    """The policy per the `bandit` section over `arms`; `prior` weighs `bench_prior_rounds`."""
     return Policy(
         make_bandit(b, arms, policy), make_guard(b), state_file, b.save_every_s, clock=clock,
         draft_weights=draft_weights, prior=prior, prior_rounds=b.bench_prior_rounds,

@@ -1,6 +1,5 @@
-"""What a request is to the serving core: its mode, the `Request` the server builds and hands to
-the core once, and the `CoreResult` every consumer reads (`CoreResult.record()`: responses,
-metrics, Sentry, traffic capture and the bench). Pure."""
+"""A request's mode, the `Request` handed to the core, and the `CoreResult` every consumer reads
+(`record()`). Pure."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ class Cancelled(Exception):
 
 
 class Refused(ValueError):
-    """A request that cannot join the batch (empty prompt, no room in the context, an arm
-    this engine cannot run): refused alone, before it joins."""
+    """A request that cannot join (empty prompt, context full, an arm it cannot run)."""
 
 
 @dataclass(frozen=True)
@@ -58,9 +56,8 @@ def fixed(arm) -> Mode:
 
 
 def parse_mode(text: str, arms: list[str], has_draft: bool, has_head: bool = False) -> Mode:
-    """A request's (or the config's) mode: target, bandit, or one of `arms` as fixed:K / draft:K
-    (the draft model), eagle:K (the EAGLE-3 head) or ngram:K (also written fixed_K, eagle_K,
-    ngram_K). Bandit needs at least one speculative arm this engine can run."""
+    """target, bandit (needs a runnable speculative arm), or one of `arms` as fixed:K / draft:K,
+    eagle:K, ngram:K (also fixed_K, ...); ModeError naming the valid modes."""
     text = text.strip()
     arms = canonical(arms)
     runnable = [a for a in arms if usable(a, has_draft, has_head)]
@@ -108,15 +105,13 @@ class CoreResult:
 
     @property
     def goodput(self) -> float:
-        """Tokens over what the request cost the batch (its prefill plus its shares of the
-        steps): the policy's reward. Alone in the batch it is the request's own tokens/s."""
+        """Tokens over the request's cost to the batch (the policy's reward; alone: tokens/s)."""
         r = self.result
         cost = r.cost_s if r.cost_s else r.latency_s
         return r.output_tokens / cost if cost > 0 else 0.0
 
     def record(self) -> dict:
-        """The request's figures, flat: what every consumer reads. Decision fields are None
-        for a request the bandit did not choose."""
+        """The request's figures, flat; decision fields None if the bandit did not choose."""
         r, d = self.result, self.decision
         return {
             "mode": self.mode.spec,
@@ -157,14 +152,10 @@ class CoreResult:
 
 @dataclass(eq=False)
 class Request:
-    """One request as the server (or the bench, or the local teacher) hands it to the core,
-    once: what to generate, in which mode, and where its text goes. The core answers through
-    `future`: a `CoreResult`, `Cancelled` if `cancel` was set before it joined, or the error
-    that failed it. `on_text(delta, logprobs)` gets the final text as it grows (stop strings
-    held back) with the logprob entries of the tokens that spell it (empty unless asked), from
-    the scheduler's thread: it must not block. `sampling`: greedy unless asked (then drawn
-    losslessly with speculation), and logprobs if asked. Set `cancel` (a client gone, a shutdown) and
-    the request leaves after the current step with the text so far."""
+    """One request, handed to the core once. `future` gets a `CoreResult`, `Cancelled` (cancelled
+    before joining) or the error. `on_text(delta, logprobs)` gets final text as it grows, with
+    the entries of the tokens spelling it, on the scheduler's thread: it must not block. Set
+    `cancel` to leave after the current step with the text so far."""
 
     prompt_ids: list[int]
     max_tokens: int

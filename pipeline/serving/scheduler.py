@@ -1,28 +1,14 @@
-"""The step loop's thread: one scheduler owns the models and advances every running request.
+"""The step loop's thread (the only one in serving): it owns the models and every running row.
 
-The only module in serving that starts a thread. Callers hand it `Job`s (`submit`, which does
-not block) and get them back through `Job.on_done`, called once from this thread: with the
-result, with `Cancelled` (cancelled before it joined), or with the error that failed it. Between
-two steps the loop runs the calls it was asked to (`call`: a draft swap), drops the rows whose
-caller cancelled (they finish with the output so far), and lets waiting jobs join up to the
-batch's room, in order; if more arrived during that prefill, they join too before the step (a
-burst of requests joins whole, rather than its first arrival stepping alone while the rest
-wait; once a turn, so a stream of arrivals cannot hold the running rows back). A step that raises fails the rows in it (the
-error is handed to each) and the loop goes on with the jobs that come next; a prefill that
-raises fails its joiners only.
+`submit` does not block; `Job.on_done` is called once from the loop with the result,
+`Cancelled` (before joining) or the error. Between steps the loop runs `call`s, drops cancelled
+rows (they finish with their output so far) and admits waiting jobs in order up to the batch's
+room, once more for those that arrived during that prefill. A failing step fails its rows, a
+failing prefill its joiners; the loop goes on.
 
-`stalled_s()` is how long the loop has had work without finishing a step (the server's /health
-turns 503 past `server.stuck_after_s`).
-
-One thread runs the models. A thread that has run a parallel torch op keeps an OpenMP thread
-pool for the rest of its life, and with more pooled threads alive than cores libgomp stops its
-workers spinning between parallel regions, so every region waits on a wake-up (a target pass
-measured far slower: docs/serving.md, `benchmarks/loop_arms.py --pools`). So the loop's thread
-is the only one that runs torch while it lives: a scheduler made with `start=False` runs its
-calls and steps on the caller's thread (`drain`) until `start()` (the server calibrates on the
-thread that loaded the models, then starts the loop; the bench, one request at a time, never
-starts it), and other torch work beside a running loop goes to a thread that ends when it is
-done (`apart`: a draft reload's loading).
+Only the loop's thread runs torch while it lives (idle OpenMP pools slow every pass:
+docs/serving.md): `start=False` runs on the caller's thread (`drain`) until `start()`, and other
+torch work beside a running loop goes through `apart`.
 """
 
 from __future__ import annotations
@@ -47,10 +33,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class Job:
-    """One request as the loop runs it. `on_tokens(output_so_far, logprobs_so_far)` runs after
-    each step that added tokens (logprobs: None unless asked); True ends the row (a stop string). `cancel` set: the row leaves after the
-    current step with its output so far (before it joins: `Cancelled`). `on_done(job)` runs
-    once at the end with `result` or `error` set, and `epoch` the draft epoch it joined on."""
+    """One request as the loop runs it. `on_tokens(output, logprobs or None)` after each step that
+    added tokens; True ends the row. `cancel`: leave after this step (before joining:
+    `Cancelled`). `on_done(job)` once, with `result` or `error` and `epoch` (draft epoch joined)."""
 
     prompt: list[int]
     max_tokens: int
@@ -67,17 +52,15 @@ class Job:
 
 
 def background(fn: Callable[[], object], name: str) -> threading.Thread:
-    """Run `fn` on a daemon thread of its own (model loading, the draft watcher): the one other
-    way serving starts a thread. A process that is told to stop does not wait for it."""
+    """Run `fn` on a daemon thread (model loading, the draft watcher); exit does not wait."""
     thread = threading.Thread(target=fn, name=name, daemon=True)
     thread.start()
     return thread
 
 
 def apart(fn: Callable[[], object], name: str = "phoenix-apart") -> object:
-    """Run `fn` on a thread of its own and wait for it: its value, or its error raised here.
-    For torch work beside a running loop (module docstring): the thread's OpenMP pool goes
-    when the thread ends, where the caller's (a watcher, a request handler) would stay."""
+    """Run `fn` on a short-lived thread and wait: its value, or its error raised here (torch
+    work beside a running loop: the thread's OpenMP pool ends with it)."""
     box: list = [None, None]
 
     def run() -> None:
@@ -102,9 +85,8 @@ class Scheduler:
         gate: Callable[[list[Row]], list[int]] | None = None,
         start: bool = True,
     ):
-        """`gate(rows)`: per row, the most tokens it may guess this step (`RowBatch.step`); called
-        from the loop's thread once per step. `start=False`: no thread until `start()`; until
-        then `call` and `drain` run on the caller's thread (module docstring)."""
+        """`gate`: `RowBatch.step`'s, called on the loop's thread. `start=False`: no thread until
+        `start()`; `call` and `drain` run on the caller's."""
         self.batch = batch
         self.gate = gate
         self.queue: queue.Queue[Job] = queue.Queue()
@@ -148,8 +130,7 @@ class Scheduler:
         self._wake.set()
 
     def call(self, fn: Callable[[RowBatch], object], timeout: float | None = None) -> object:
-        """Run `fn(batch)` in the loop's thread between two steps (not started: here, now);
-        returns its value or raises its error."""
+        """Run `fn(batch)` between two steps (not started: here); its value, or its error raised."""
         if not self.started:
             with torch.inference_mode():
                 return fn(self.batch)
@@ -178,8 +159,7 @@ class Scheduler:
             self._close()
 
     def drain(self) -> None:
-        """Not started: run the loop on the caller's thread until every job submitted so far
-        has finished (the bench's one request at a time)."""
+        """Not started: run the loop here until every job submitted so far has finished."""
         if self.started:
             raise RuntimeError("drain: the loop runs on its own thread")
         with torch.inference_mode():
@@ -203,8 +183,7 @@ class Scheduler:
         self._close()
 
     def _once(self) -> None:
-        """One turn of the loop with work in hand: drop the cancelled, admit (again for those
-        that arrived during that prefill), step."""
+        """Drop the cancelled, admit (twice: a burst joins whole), step."""
         self._drop_cancelled()
         if self._admit() and self.batch.room and not self.queue.empty():
             self._admit()  # those that arrived during that prefill: a burst joins whole

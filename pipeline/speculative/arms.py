@@ -1,15 +1,7 @@
-"""Draft arms: a strategy and a length. Pure: parsing and names, no models.
-
-An arm says how a request drafts:
-  - `0`        no drafting (the target alone);
-  - `draft:K`  the draft model guesses K tokens per round (the seed's arms, written `K` or
-               `fixed:K` too);
-  - `ngram:K`  prompt lookup: the K tokens that followed the latest earlier occurrence of the
-               last n tokens (n = 3, 2, 1) in prompt + output; free, no model pass;
-  - `eagle:K`  an EAGLE-3 head guesses K tokens from the target's own hidden states (the
-               step loop only: it reads them from each verify pass).
-An arm's canonical text (`str(arm)`) is its id everywhere: config, bandit state, bench records,
-responses, metrics.
+"""Draft arms: how a request drafts. Pure. `0`: the target alone; `draft:K` (also `K`,
+`fixed:K`): the draft model guesses K tokens; `ngram:K`: prompt lookup (the K tokens after the
+latest earlier match of the last 3, 2 or 1 tokens); `eagle:K`: an EAGLE-3 head. `str(arm)` is
+the arm's id everywhere (config, bandit state, bench, responses, metrics).
 """
 
 from __future__ import annotations
@@ -49,8 +41,7 @@ FORMS = "0, draft:K (also K or fixed:K), ngram:K, eagle:K"
 
 
 def parse_arm(value: int | str | Arm) -> Arm:
-    """An arm from config or a request: 0, K (= draft:K), draft:K, fixed:K, ngram:K, with
-    1 <= K <= MAX_K. Raises ValueError naming the valid forms."""
+    """Parse an arm (`FORMS`, 1 <= K <= MAX_K); ValueError naming the valid forms."""
     if isinstance(value, Arm):
         return value
     if isinstance(value, bool):

@@ -1,22 +1,10 @@
-"""The bandit's common ground: what a policy may condition on (`Context`), what it answers
-(`Decision`), and the epsilon-greedy bandit every policy builds on, which is itself the `seed`
-and `plausible` policies. Pure: arms and rewards, no models.
+"""What a policy conditions on (`Context`) and answers (`Decision`), and `EpsilonGreedy`, the
+`seed` and `plausible` policies every other builds on. Pure. Arms are hashable ids (`arms.Arm`).
 
-Arms are any hashable ids (the server's are `arms.Arm` texts: 0, draft:K, ngram:K, eagle:K).
-
-Schedule: every arm is pulled `warmup_pulls` times first, in order; then with probability
-eps_t = max(floor, start * decay**t) (t = decisions after warm-up) an arm is explored,
-otherwise the arm with the best running-average reward is exploited. Means are updated
-incrementally: r_a <- r_a + (r - r_a) / n_a.
-
-`explore="uniform"` (policy `seed`) explores any arm at random; `explore="plausible"` (policy
-`plausible`, and the goodput policy's fallback where it has no step costs) explores only among
-arms that could still be the best: those whose mean plus `z` standard errors reaches the best
-arm's mean (an arm with one reward uses the arms' pooled spread; without one, and with no
-reward, it qualifies).
-
-The other policies: `goodput.GoodputBandit` (`goodput`, the config's default) and
-`contextual.ContextualBandit` (`contextual`); the drift guard is `guard.DriftGuard`.
+Every arm is pulled `warmup_pulls` times in order; then with probability
+eps_t = max(floor, start * decay**t) (t: decisions after warm-up) an arm is explored, else the
+best mean reward is exploited. `explore="uniform"` (`seed`) explores any arm; `"plausible"`
+only arms whose mean + `z` standard errors reaches the best mean (one reward: pooled spread).
 """
 
 from __future__ import annotations
@@ -31,26 +19,21 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Context:
-    """What the policy may condition on, known before a request runs: the request, and the
-    batch it joins (the step loop's figures; None where there is no loop, e.g. a replay)."""
+    """What a policy knows before a request runs; loop figures are None without a step loop."""
 
     prompt_tokens: int = 0
     queue_depth: int = 0  # other requests in the batch or waiting to join it
     rows: int = 1  # rows in the batch once this one joins, itself included
-    # Measured curves, ((n, seconds), ...) ascending (`step_seconds` reads them): a target pass
-    # against tokens fed, a draft pass against rows drafted for.
+    # Measured curves ((n, seconds), ...): target pass vs tokens fed; draft / head pass vs rows.
     step_cost: tuple[tuple[float, float], ...] | None = None
     draft_cost: tuple[tuple[float, float], ...] | None = None
     draft_rows: int = 0  # rows drafting with the draft model now (without this one)
-    # One EAGLE-3 head pass against rows in it (eagle rows draft together, their reads of their
-    # states in one pass).
     head_cost: tuple[tuple[float, float], ...] | None = None
     head_rows: float = 0.0  # rows drafting with the head now (without this one; `head_rows`)
     # What the other rows of that batch feed and commit per step (None: rows - 1 plain rows).
     others_fed: float | None = None
     others_tokens: float | None = None
-    # What the other rows' proposals add to every step: their draft-model passes and head
-    # passes (`drafting_seconds`), which a plain row waits for as much as a guessing one.
+    # What the other rows' proposals add to every step (`drafting_seconds`).
     others_drafting: float = 0.0
     temperature: float = 0.0  # the request's sampling temperature (acceptance falls as it rises)
     alone_cost: tuple[tuple[float, float], ...] | None = None  # the step curve for one row
@@ -84,8 +67,7 @@ class Decision:
 
 
 class EpsilonGreedy:
-    """Thread-safe epsilon-greedy bandit with an injected RNG. Its defaults are the `bandit`
-    config section's (tested); servers build it from the config (`serving.policy.make_bandit`)."""
+    """Thread-safe epsilon-greedy bandit, RNG injected; defaults are the `bandit` config's."""
 
     def __init__(
         self,
@@ -131,8 +113,7 @@ class EpsilonGreedy:
         if self.explore == "uniform":
             return self.arms
         best = self.means[self.best_arm()]
-        # An arm with one reward borrows the spread of the others (pooled), so a warm-up of
-        # one pull per arm is enough to rule out a clearly slower arm.
+        # An arm with one reward borrows the others' pooled spread.
         dof = sum(n - 1 for n in self.counts.values() if n > 1)
         pooled = math.sqrt(sum(map(self._ss, self.arms)) / dof) if dof else None
         out = []
@@ -147,8 +128,7 @@ class EpsilonGreedy:
         return out
 
     def forget(self, arms) -> None:
-        """Drop what was learnt about `arms` (a new draft model makes the draft arms' rewards
-        stale) and pull each of them `warmup_pulls` times again before exploiting."""
+        """Drop what was learnt about `arms`; pull each `warmup_pulls` times again first."""
         arms = [a for a in self.arms if a in set(arms)]
         with self._lock:
             for a in arms:
@@ -160,8 +140,7 @@ class EpsilonGreedy:
         pass
 
     def _warmup_arm(self) -> Hashable | None:
-        """Under the lock: the next warm-up arm (every arm in turn), then any forgotten arm to
-        pull again; None once there is none."""
+        """Under the lock: the next warm-up arm, then a forgotten one; None when none is left."""
         if self.warmup_issued < self.warmup_pulls * len(self.arms):
             self.warmup_issued += 1
             return self.arms[(self.warmup_issued - 1) % len(self.arms)]
@@ -188,10 +167,8 @@ class EpsilonGreedy:
         acceptance: float | None = None,
         weight: float = 1.0,
     ) -> None:
-        """Record one reward (output tokens/s). `weight`: the request's latency makes an arm's
-        mean its total tokens over its total time (what the bench and the server deliver),
-        1.0 the mean of per-request rates. The context-free policies ignore `context` and
-        `acceptance` (the request's draft acceptance, None when nothing was proposed)."""
+        """Record one reward (tokens/s). `weight` = latency makes the mean total tokens over total
+        time; 1.0, the mean of rates. Context-free policies ignore `context` and `acceptance`."""
         if weight <= 0:
             raise ValueError(f"weight must be > 0, got {weight}")
         if arm not in self.counts:

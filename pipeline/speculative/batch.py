@@ -1,30 +1,16 @@
-"""The step loop: the rows running together, and one step over all of them. Phoenix's one
-engine: the server, the bench, the local teacher and the benchmarks all run through it.
+"""The step loop, Phoenix's one engine: rows (`row.Row`, one request each, arm 0, draft:K,
+ngram:K or eagle:K) join between steps, prefilled into per-row caches, and leave when done.
+Pure: ids and models in, ids and counts out; the scheduler calls it from one thread. One step:
+  1. each row's proposer (`propose/`) guesses up to k_eff tokens, one proposer's rows together;
+  2. one ragged target pass over every row's `[last, d1..dk]`, returning the proposers' `taps`;
+  3. per row, acceptance and cache rollback. Greedy: the longest agreeing prefix plus the
+     target's next token, so output equals target-only greedy output whatever ran beside it.
+     Sampled: `sampling.verify` with the row's own generator, distributed as the target's.
+Logprobs come from the same pass (`sampling.top_logprobs`).
 
-Pure: token ids and models in, ids and counts out; no threads, no clock but `perf_counter` for
-the figures it returns. The serving scheduler (`serving/scheduler.py`) owns one `RowBatch` and
-calls `join`, `step` and `leave` from its one thread.
-
-A row (`row.Row`) is one request: its prompt, budget and arm (0, draft:K, ngram:K, eagle:K).
-Rows join between steps (`join`: their prompts prefilled, batched among the joiners, into
-per-row caches, `rows.RowCache`) and leave when they finish, are cancelled or fail. One step:
-  1. proposals: each row's proposer (`propose/`, by its arm's strategy) guesses up to the
-     row's k_eff tokens, the rows of one proposer together; plain rows guess none;
-  2. one target pass over every row's `[last, d1..dk]` (ragged: each row its own length, 0
-     guesses included), which also returns the target states a proposer reads (`taps`);
-  3. each row's acceptance and its own cache rollback. A greedy row (temperature 0) keeps the
-     longest prefix the target agrees with, plus the target's own next token: every committed
-     token is the target's greedy choice, so its output is its target-only greedy output,
-     whatever ran beside it. A sampled row accepts by speculative sampling (`sampling.verify`),
-     its guesses drawn from its proposer's distribution, each token drawn with the row's own
-     generator: its output is distributed as the target's samples are.
-A row asking for logprobs gets, per committed token, the target's log-probability and its top
-alternatives, from the same pass (`sampling.top_logprobs`).
-
-Cost: a step is timed whole, less the proposals priced apart (their own `StepCost`s) and the
-caller's callbacks, into `cost` against tokens fed, and split among its rows by
-`StepCost.shares` (a / rows + b * its tokens). A row's `cost_s` is its prefill plus its shares
-plus its proposals: `tokens / cost_s` is what its arm cost the batch (the policy's reward).
+Cost: a step's time, less proposals (priced in their own `StepCost`s) and callbacks, goes into
+`cost` against tokens fed and is split by `StepCost.shares`. A row's `cost_s` = prefill + shares
++ proposals; `tokens / cost_s` is the policy's reward.
 """
 
 from __future__ import annotations
@@ -49,11 +35,8 @@ from .sampling import GREEDY, Sampling, greedy_ids, probabilities_of, top_logpro
 
 
 class RowBatch:
-    """The rows running together over one set of models (module docstring). At most
-    `max_rows` rows, each at most `limit` tokens of prompt + output (default: the models'
-    context, else 4096: the caches grow to it); not thread-safe (one caller: the scheduler).
-    `lean`: run Llama-family models through their lean runner (`runner.py`); False:
-    transformers' own forward for every model (the same output)."""
+    """At most `max_rows` rows of at most `limit` tokens each (default the models' context, else
+    4096). Not thread-safe. `lean`: Llama models through `runner.py` (same output as False)."""
 
     def __init__(self, models: Models, max_rows: int = 16, limit: int | None = None,
                  lean: bool = True):  # fmt: skip
@@ -101,8 +84,7 @@ class RowBatch:
         return self._tcache
 
     def _proposer(self, strategy: str) -> Proposer | None:
-        """The proposer of a strategy over these models, made on first use (None: the models
-        have nothing it needs)."""
+        """The strategy's proposer, made on first use (None: the models lack what it needs)."""
         p = self._proposers.get(strategy)
         if p is None:
             m = self.models
@@ -118,11 +100,9 @@ class RowBatch:
         return p
 
     def set_models(self, models: Models) -> None:
-        """A new draft (or head) over the same target, from the next step on. The draft rows
-        running move to the new draft, whose cache starts empty: each catches up on its next
-        proposal (its output stays exact). A new EAGLE-3 head: the eagle rows running stop
-        guessing (the states they fed the old head are gone; they finish plain, exact), new
-        ones use it."""
+        """A new draft or head over the same target, from the next step on. Running draft rows move
+        to the new draft (empty cache, caught up on next proposal); running eagle rows of a
+        replaced head finish plain. Output stays exact either way."""
         if models.target is not self.models.target:
             raise ValueError("set_models: another target (only the draft may change)")
         kept = {k: p for k, p in self._proposers.items()
@@ -154,10 +134,9 @@ class RowBatch:
             | tuple[object, Sequence[int], int, Arm, Sampling]
         ],
     ) -> list[Row]:
-        """Add rows `(key, prompt, max_tokens, arm[, sampling])` (at most `room`; each `check`ed
-        first; sampling default greedy): their prompts prefilled, one batched pass per model.
-        If the prefill fails, the joiners are released and the error raised; the rows already
-        running are untouched."""
+        """Add and prefill rows `(key, prompt, max_tokens, arm[, sampling=greedy])`, at most
+        `room`, each `check`ed first. On failure the joiners are released and the error raised;
+        running rows are untouched."""
         if len(items) > self.room:
             raise ValueError(f"{len(items)} rows do not fit: {self.room} free of {self.max_rows}")
         tc = self._cache()
@@ -191,9 +170,7 @@ class RowBatch:
         )  # fmt: skip
 
     def _prefill(self, tc: RowCache, joined: list[Row]) -> list[torch.Tensor | None]:
-        """The joiners' prompts (all but the last token) into the target's cache, each charged
-        for its own; returns each joiner's target states at its prompt positions where its
-        proposer reads them (`taps`), else None."""
+        """Prefill all but each prompt's last token; returns each joiner's tapped states or None."""
         taps = self._taps(joined)
         t0 = time.perf_counter()
         fed = prefill(self.models.target, tc, [r.tslot for r in joined],
@@ -227,15 +204,11 @@ class RowBatch:
             row.proposer.leave(row)
         self.rows.remove(row)
         self.changes += 1
-        # Rows in slot order: a pass over all of them reads the cache as a view (`RowCache.plan`,
-        # contiguous slots) instead of copying every layer's keys and values out and back.
+        # Slot order lets a pass read the cache as a view (`RowCache.plan`), not a copy.
         self.rows.sort(key=lambda r: r.tslot)
 
     def calibrate(self, prompt: Sequence[int], arms: Sequence[Arm], tokens: int = 16) -> None:
-        """Time the steps each of `arms` makes, one row alone (`tokens` tokens of `prompt`
-        each), into the cost curves, before any request: a policy that knows a strategy's
-        acceptance (`GoodputBandit.seed`) can then price it without a warm-up request. Only
-        on an empty batch (a server's start-up); the rows leave when done."""
+        """On an empty batch, run `tokens` of `prompt` alone per arm to seed the cost curves."""
         if self.rows:
             raise ValueError("calibrate: the batch is not empty")
         for arm in arms:
@@ -248,13 +221,10 @@ class RowBatch:
         on_tokens: Callable[[Row], bool] | None = None,
         gate: Callable[[list[Row]], list[int]] | None = None,
     ) -> list[tuple[Row, str]]:
-        """One step over every row. `on_tokens(row)` runs for each row that committed tokens;
-        True ends it (a stop string, a caller gone). `gate(rows)`, if given, says per row the
-        most tokens it may guess this step (rows' `k_eff` set by arm and budget); it binds the
-        `adaptive` (bandit) rows only: a row capped at 0 runs this step as a plain row.
-        Returns `(row, finish_reason)` for the rows that finished ("stop": end-of-turn or
-        `on_tokens`; "length": budget or context), which have left the batch. After an
-        exception the caller fails every row (`reset`)."""
+        """One step over every row. `on_tokens(row)` runs per row that committed tokens; True ends
+        it. `gate(rows)` caps per row the guesses of `adaptive` rows (0: plain this step).
+        Returns `(row, "stop" | "length")` for rows that finished and left. After an exception
+        the caller must `reset`."""
         t0 = time.perf_counter()
         rows = list(self.rows)
         self._limit(rows, gate)
@@ -297,8 +267,7 @@ class RowBatch:
         return finished
 
     def _limit(self, rows: list[Row], gate) -> None:
-        """Each row's k_eff this step: its arm's k within its budget and the context, capped
-        for the adaptive rows by `gate`; the positions it could guess at are counted."""
+        """Set each row's k_eff (arm's k within budget and context, `gate`-capped if adaptive)."""
         for r in rows:
             k = min(r.arm.k, r.max_tokens - len(r.out) - 1, self.limit - len(r.seq) - 1)
             r.k_eff, r.drafts, r.q = max(0, k) if r.proposer is not None else 0, [], []
@@ -312,8 +281,7 @@ class RowBatch:
                 r.eligible_pos[i] += 1
 
     def _propose(self, rows: list[Row]) -> float:
-        """Every guessing row's drafts, its proposer's rows together; returns the seconds of
-        the proposals priced apart (charged to their rows as drafting)."""
+        """Draft for guessing rows; returns the seconds of proposals priced apart."""
         groups: dict[int, list[Row]] = {}
         for r in rows:
             if r.k_eff > 0:
@@ -331,8 +299,7 @@ class RowBatch:
         return drafting_s
 
     def _verify(self, rows: list[Row], feeds: list[list[int]]):
-        """The target's one pass over every row's feed: the logits after every fed token
-        ([sum of feeds, V]) and, per row, the states its proposer reads (else None)."""
+        """Target pass: logits [sum of feeds, V] and per row its tapped states (or None)."""
         taps = self._taps(rows)
         logits = target_logits(self.models.target, self._cache(), [r.tslot for r in rows],
                                feeds, taps)  # fmt: skip
@@ -343,8 +310,7 @@ class RowBatch:
 
     @staticmethod
     def _probabilities(rows: list[Row], mine) -> tuple[dict, float]:
-        """The target's distributions for the sampled rows (by index), and each one's share of
-        the seconds computing them took."""
+        """Target distributions of sampled rows (by index) and each one's share of the seconds."""
         t0 = time.perf_counter()
         sampled = [i for i, r in enumerate(rows) if not r.sampling.greedy]
         probs = probabilities_of([mine[i] for i in sampled], [rows[i].sampling for i in sampled])
@@ -352,9 +318,8 @@ class RowBatch:
         return dict(zip(sampled, probs, strict=True)), shared
 
     def _commit(self, r: Row, preds: list[int], scores, p, states) -> tuple[list[int], bool]:
-        """Accept a row's guesses (greedy: the longest prefix the target agrees with; sampled:
-        `sampling.verify`), cut its caches back to what is valid and commit the new tokens, up
-        to an end-of-turn token. Returns (the tokens committed, whether it hit end-of-turn)."""
+        """Accept a row's guesses, crop its caches, commit up to end-of-turn.
+        Returns (tokens committed, hit end-of-turn)."""
         d = r.drafts
         if r.sampling.greedy:
             m = 0
@@ -395,8 +360,7 @@ def generate(
     sampling: Sampling = GREEDY,
     batch: RowBatch | None = None,
 ) -> GenerationResult:
-    """One request alone through the step loop (in `batch` if given, else a fresh one): the
-    one-call form for scripts and checks."""
+    """One request alone through the step loop (in `batch`, else a fresh one)."""
     batch = batch or RowBatch(models, max_rows=1)
     (row,) = batch.join([(None, prompt, max_tokens, arm, sampling)])
     while True:
@@ -414,9 +378,8 @@ def sample_outputs(
     sampling: Sampling,
     rows: int = 16,
 ) -> tuple[list[tuple], int]:
-    """`n` sampled generations of `prompt` by `arm`, `rows` at a time in one batch, seeded
-    `sampling.seed + i` (a distribution check's samples): each output's first `tokens` tokens
-    as a tuple, padded with None after an end of turn; and the guesses proposed."""
+    """`n` generations seeded `sampling.seed + i`, `rows` at a time: each output's first `tokens`
+    as a tuple (None-padded after end of turn), and the total guesses proposed."""
     seed0 = sampling.seed or 0
     batch = RowBatch(models, max_rows=rows)
     outs, proposed = [], 0

@@ -1,8 +1,4 @@
-"""The contextual policy (`bandit.policy: contextual`): the plausible policy with values per
-context cell (prompt-length x load x the arm's strategy's recent acceptance x temperature
-bucket): an arm's mean in the cell shrunk towards its global mean, (n_c m_c + w m) / (n_c + w),
-so a cell with few rewards behaves like the context-free policy. Pure: arms and rewards.
-"""
+"""The contextual policy (`bandit.policy: contextual`). Pure."""
 
 from __future__ import annotations
 
@@ -16,9 +12,9 @@ ACCEPTANCE_BUCKETS = (0.15, 0.35)  # a strategy's recent acceptance: low, mid, h
 
 
 class ContextualBandit(EpsilonGreedy):
-    """Plausible-exploration epsilon-greedy whose values depend on the context cell (module
-    docstring). `prior_weight` is w: how many in-cell rewards weigh as much as the global mean;
-    `acceptance_alpha` the weight of the latest request in a strategy's recent acceptance."""
+    """The plausible policy valued per cell (prompt length x load x recent acceptance x
+    temperature): (n_c m_c + w m) / (n_c + w), w = `prior_weight`. `acceptance_alpha`: the
+    latest request's weight in a strategy's recent acceptance."""
 
     def __init__(self, arms, rng, *args, prior_weight: float = 4.0, acceptance_alpha=0.3, **kw):
         kw.setdefault("explore", "plausible")

@@ -1,10 +1,6 @@
-"""Step costs: what a step of the step loop takes, measured (`StepCost`), and what the policy
-reads off the measured curves. Pure: numbers in, seconds out; rows are read only through their
-counters (`batch.Row`: rounds, guess_rounds, proposed, accepted, arm.k, dslot, hcache).
-
-A curve is ((n, seconds), ...) ascending in n: a target pass against tokens fed, a draft-model
-or EAGLE-3 head pass against the rows in it. `step_seconds` reads one; `shared_passes`,
-`drafting_seconds` and `added_passes` price proposals that rows share.
+"""Measured step costs (`StepCost`) and the prices the policy reads off them. Pure; rows are read
+only through their counters. A curve is ((n, seconds), ...) ascending in n: a target pass
+against tokens fed, a draft or head pass against its rows.
 """
 
 from __future__ import annotations
@@ -16,12 +12,9 @@ from collections.abc import Sequence
 class StepCost:
     """A step's time against its size `n` (tokens fed, or rows drafted for). Pure.
 
-    Two readings of the same steps: `curve()`, an exponentially weighted mean (n, seconds) per
-    size bucket (`BUCKETS`), read as a piecewise-linear curve; `coefficients()`, a least-squares
-    line a + b * n over every step, which splits a step among its rows (`shares`).
-    `curve(rows)`: the same for steps of that many rows (bucketed), continued past its largest
-    size by the all-rows curve's increments (optimistic: an unmeasured load gets tried) and
-    below its smallest in proportion to the all-rows curve (never 0). Why: docs/serving.md."""
+    `curve()`: decayed mean (n, seconds) per size bucket, piecewise linear; `curve(rows)` the
+    same for steps of that many rows, extended by the all-rows curve. `coefficients()`: a
+    least-squares a + b * n over every step, which `shares` a step among its rows."""
 
     BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
     BUCKET_DECAY = 0.9  # a bucket follows its own recent steps (the machine's load changes)
@@ -59,9 +52,7 @@ class StepCost:
 
     @staticmethod
     def _points(table: dict[int, list[float]]) -> tuple[tuple[float, float], ...]:
-        """Each bucket's weighted means, made non-decreasing in n by pooling adjacent
-        violators (weighted by their steps): a pass of more tokens never costs less, and one
-        slow step at a size seen once would otherwise price a guess as if it did."""
+        """Each bucket's weighted means, made non-decreasing in n by pooling adjacent violators."""
         points = [(w[1] / w[0], w[2] / w[0], w[0]) for _, w in sorted(table.items())]
         blocks: list[list[float]] = []  # [mean seconds, weight, points pooled]
         for _, y, w in points:
@@ -74,10 +65,9 @@ class StepCost:
         return tuple((x, y) for (x, _, _), y in zip(points, pooled, strict=True))
 
     def curve(self, rows: int | None = None) -> tuple[tuple[float, float], ...]:
-        """The measured (n, seconds) points, ascending in n: each bucket's weighted means; with
-        `rows`, those of steps of that many rows, continued below the smallest and past the
-        largest by the all-rows curve (class docstring). No steps of that many rows:
-        the all-rows curve."""
+        """Measured (n, seconds) points, ascending. With `rows`: steps of that many rows, continued
+        past the largest by the all-rows curve's increments and below the smallest in proportion
+        to it (none of that many rows: the all-rows curve)."""
         every = self._points(self.buckets)
         own = self._points(self.by_rows.get(self.bucket(rows), {})) if rows else ()
         if not own:
@@ -109,10 +99,8 @@ class StepCost:
 
 
 def step_seconds(curve: tuple[tuple[float, float], ...], n: float) -> float:
-    """Seconds of a pass of size `n` on a measured curve ((n, seconds) points, ascending):
-    linear between points; below the first, the first's time; past the last, the larger of the
-    last segment's slope and time proportional to size (what was not measured is not assumed
-    cheap: a loaded batch measures only its plain steps)."""
+    """Seconds of a pass of size `n` on a curve: linear between points, the first's below it, and
+    past the last the larger of the last slope and proportional time (never assumed cheap)."""
     if not curve:
         raise ValueError("no measured points")
     (x0, y0) = curve[0]
@@ -130,9 +118,7 @@ def step_seconds(curve: tuple[tuple[float, float], ...], n: float) -> float:
 
 
 def per_step(rows) -> tuple[float, float]:
-    """What the step loop's `rows` (`batch.Row`: rounds, proposed, accepted, arm.k) feed the
-    target and commit per step, summed: each row's own means so far (a row that has not
-    stepped yet: its k guesses fed, one token committed)."""
+    """(fed, committed) per step summed over `rows`, by each row's means (unstepped: k + 1, 1)."""
     fed = tokens = 0.0
     for r in rows:
         n = r.rounds
@@ -142,8 +128,7 @@ def per_step(rows) -> tuple[float, float]:
 
 
 def shared_passes(curve, guesses) -> float:
-    """Seconds of the batched passes that give each row its `guesses` (one pass per position
-    over the rows still guessing; `curve`: a pass against rows in it)."""
+    """Seconds of the batched passes (one per position over rows still guessing) for `guesses`."""
     ks = sorted((g for g in guesses if g > 0), reverse=True)
     seconds = done = 0.0
     for m in range(len(ks), 0, -1):  # the passes over m rows: up to the m-th longest guess
@@ -155,23 +140,18 @@ def shared_passes(curve, guesses) -> float:
 
 
 def guessing_share(r) -> float:
-    """The share of a step loop row's (`batch.Row`) steps it guessed in so far (not stepped
-    yet: every step)."""
+    """Share of a row's steps it guessed in so far (unstepped: 1)."""
     return min(1.0, r.guess_rounds / r.rounds) if r.rounds else 1.0
 
 
 def head_rows(rows) -> float:
-    """The EAGLE-3 rows of `rows` (`batch.Row`) that share the head's passes, each weighted by
-    the share of steps it guesses in: a row the gate holds back reads nothing and shares no
-    pass."""
+    """EAGLE-3 rows sharing the head's passes, each weighted by `guessing_share`."""
     return sum(guessing_share(r) for r in rows if r.hcache is not None)
 
 
 def drafting_seconds(rows, draft_cost, head_cost) -> float:
-    """Seconds a step of `rows` (`batch.Row`) spends on proposals, from the loop's curves (None:
-    not measured, 0): draft-model rows share one batched pass per position over the rows still
-    guessing, and so do EAGLE-3 rows (`Eagle3Head.draft_many`); prompt lookup is free. A row's
-    guesses per step: its own mean so far (not stepped yet: its k)."""
+    """Seconds a step of `rows` spends on proposals (`shared_passes` per draft / head curve; None
+    curve: 0; prompt lookup free), each row at its mean guesses (unstepped: k)."""
 
     def guesses(r) -> float:
         return r.proposed / r.rounds if r.rounds else float(r.arm.k)
@@ -185,9 +165,7 @@ def drafting_seconds(rows, draft_cost, head_cost) -> float:
 
 
 def added_passes(curve, rows: float, passes: float) -> float:
-    """What a row adds to `passes` batched passes that `rows` other rows make already: each
-    pass's growth from `rows` to `rows` + 1 (alone: the whole pass). `rows` may be a fraction
-    (rows that share only some passes, `head_rows`): between its two whole neighbours."""
+    """Seconds one more row adds to `passes` passes over `rows` others (a fraction interpolates)."""
 
     def grown(n: int) -> float:
         return step_seconds(curve, n + 1) - (step_seconds(curve, n) if n else 0.0)

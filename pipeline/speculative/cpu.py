@@ -1,14 +1,8 @@
-"""CPU matmul shapes that decoding needs, chosen by measuring this CPU: the loader applies them.
+"""CPU matmul forms for decoding's few-row linears, measured on this CPU (docs/serving.md).
 
-A decoding step runs every linear layer over a few rows (1 for a plain step, k+1 for a verify,
-one per running request in a batch). BLAS libraries pick their kernel by shape, and at a few
-rows the pick can be far from the memory bound, differently per CPU model (on one, `x @ W.T` at
-2-8 rows took twice one row's time; on another, one row took longer than two through `W @ x.T`:
-docs/measurements.md, `benchmarks/matmul_rows.py`). So nothing is assumed: `choose_linears` times both forms on the model's own weights, per bucket
-of rows (1, 2, 3-4, 5-8, 9-16, 17-32), in the model's dtype, and `use_linears` routes the model's
-linear layers through the faster one per bucket (`W @ x.T` is fed two rows at least: one row
-would take the gemv path again). Past 32 rows, and with grad enabled (training), layers stay
-plain. The result (`LinearChoice`) is logged by the loader.
+`choose_linears` times `x @ W.T` against `W @ x.T` on the model's own weights per bucket of
+rows; `use_linears` routes its linears through the faster form per bucket. Past 32 rows and
+with grad enabled (training), layers stay plain.
 """
 
 from __future__ import annotations
@@ -64,8 +58,8 @@ def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def use_linears(model: torch.nn.Module, choice: LinearChoice) -> int:
-    """Route the model's CPU linear layers through `choice` (inference only). Idempotent;
-    returns how many layers it routes."""
+    """Route the model's CPU linears through `choice` (inference only). Idempotent; returns how
+    many."""
     n = 0
     for mod in model.modules():
         if type(mod) is torch.nn.Linear and mod.weight.device.type == "cpu":
@@ -78,9 +72,8 @@ def use_linears(model: torch.nn.Module, choice: LinearChoice) -> int:
 
 @torch.inference_mode()
 def choose_linears(model: torch.nn.Module, layers: int = 4, repeat: int = 3) -> LinearChoice:
-    """Time `x @ W.T` against `W @ x.T` on the model's own linear weights (those of its first
-    `layers` blocks and its output head: its shapes, its dtype) at each bucket's row count;
-    the median of `repeat` runs after one warm-up. About a second on SmolLM2-135M."""
+    """Time both forms on the first `layers` blocks' linears and the head, per bucket (median of
+    `repeat` after a warm-up)."""
     weights = [m.weight for m in model.modules() if type(m) is torch.nn.Linear]
     per_layer = max(1, (len(weights) - 1) // _n_layers(model))
     sample = [*weights[: per_layer * layers], weights[-1]]  # the last: the output head
@@ -123,9 +116,8 @@ PROBE_ROWS = (1, 5, 16)  # a plain step, a 4-guess verify, a full batch
 
 @torch.inference_mode()
 def probe_dtypes(model: torch.nn.Module, layers: int = 4, repeat: int = 3) -> dict[str, float]:
-    """Milliseconds of the model's first `layers` blocks' linears plus its head, summed over a
-    plain step, a 4-guess verify and a 16-row batch (`PROBE_ROWS`), each at its faster form, in
-    float32 and in bfloat16 (the weights converted for the probe only)."""
+    """{dtype: ms} of the first `layers` blocks' linears and head over `PROBE_ROWS`, each at its
+    faster form, in float32 and bfloat16 (weights converted for the probe only)."""
     weights = [m.weight for m in model.modules() if type(m) is torch.nn.Linear]
     per_layer = max(1, (len(weights) - 1) // _n_layers(model))
     sample = [*weights[: per_layer * layers], weights[-1]]

@@ -1,29 +1,16 @@
-"""EAGLE-3 draft head: one decoder layer that drafts from the target's own hidden states.
+"""EAGLE-3 draft head (pure torch; files: `pipeline/eagle3.py`, config: `eagle3_config.py`).
 
-Pure torch: tensors in, tensors out; no files (export and loading are `pipeline/eagle3.py`'s;
-the head's config, from a target's: `eagle3_config.py`).
+Layout as vllm-project/speculators saves it and vLLM's `llama_eagle3` serves: `fc` fuses the
+target's hidden states at three depths (`aux_layer_ids`, inputs of those layers; 3H -> H); one
+Llama layer attends over `[input_layernorm(embed(next)); hidden_norm(hidden)]` (2H), residual =
+hidden; `norm` and `lm_head` over `draft_vocab_size` ids (`d2t`: draft id -> target id offset,
+`t2d`: target ids the head can propose). The embeddings are the target's, frozen, not saved.
 
-The head (Li et al. 2025, EAGLE-3; the layout vllm-project/speculators saves and vLLM's
-`llama_eagle3` serves):
-  - `fc`: the target's hidden states from three depths (`aux_layer_ids`, the inputs of those
-    decoder layers, EAGLE-3's low/middle/high; default 2, L/2, L-3 as vLLM chooses), concatenated
-    (3H) and fused to H;
-  - one Llama decoder layer whose attention reads `[input_layernorm(embed(next token));
-    hidden_norm(hidden)]` (2H wide), residual = the hidden; then `post_attention_layernorm`, MLP;
-  - `norm` and `lm_head` over a pruned vocabulary of `draft_vocab_size` ids (`d2t`: draft id ->
-    target id offset, `t2d`: which target ids the head can propose);
-  - the target's input embeddings, frozen and shared (not the head's weights).
-
-Drafting, for a sequence whose tokens x_0..x_m are committed and whose target hidden states
-g_0..g_{m-1} are known (g_t: the target after reading x_t): the head's position t reads
-(x_{t+1}, fc(g_t)); its output at m-1 scores the first guess d_1. Guess j+1 reads (d_j, the head's
-own pre-norm output at the previous position): the hidden it feeds itself. Its KV cache holds the
-committed positions; the guesses' entries are dropped after the round (`HeadCache.crop`).
-
-Training (`ttt_logits`): EAGLE-3's training-time test. Step 0 is teacher-forced (every position
-reads the target's hidden state); step j reads the head's own step j-1 output, attending to the
-step-0 keys of the real context plus its own chain's keys, exactly the attention drafting sees
-at guess j+1. So positions 2..k are trained, not only the first.
+Drafting with x_0..x_m committed and target states g_0..g_{m-1}: position t reads
+(x_{t+1}, fc(g_t)); its output at m-1 scores guess d_1; guess j+1 reads (d_j, the head's own
+pre-norm output). The cache holds committed positions only (`HeadCache.crop` after a round).
+Training (`ttt_logits`) is EAGLE-3's training-time test: step j reads step j-1's output with
+exactly the attention drafting sees at guess j+1, so positions 2..k are trained too.
 """
 
 from __future__ import annotations
@@ -95,9 +82,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class HeadCache:
-    """One sequence's keys and values in the head's layer: [1, kv heads, positions, head dim],
-    the first `length` positions of buffers that grow by doubling, so a step's append writes
-    only its new positions, not the whole cache."""
+    """One sequence's keys/values [1, kv heads, length, head dim], in buffers grown by doubling."""
 
     def __init__(self):
         self.k: torch.Tensor | None = None  # [1, kv heads, capacity, head dim]
@@ -105,8 +90,7 @@ class HeadCache:
         self.length = 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add positions ([1, kv heads, new, head dim]); returns every position's, as views of
-        the buffers: read them before the next append (after a crop it writes over them)."""
+        """Append [1, kv heads, new, head dim]; returns all positions (views until next append)."""
         start, end = self.length, self.length + k.shape[2]
         if self.k is None or end > self.k.shape[2]:
             cap = max(end, 2 * (0 if self.k is None else self.k.shape[2]), 64)
@@ -125,9 +109,8 @@ class HeadCache:
 
 
 def _no_duck_shapes():
-    """Trace without duck sizing: torch ties dynamic sizes that are equal when traced (a read
-    of 4 states beside 4 attention heads), and a later read of another length recompiles in a
-    request. Private torch config: where it is gone, nothing changes."""
+    """Trace without duck sizing (equal sizes at trace time, e.g. 4 states and 4 heads, would be
+    tied and recompile later); a no-op where torch's private config lacks it."""
     config = getattr(torch.fx.experimental, "_config", None)
     if config is None or not hasattr(config, "use_duck_shape"):
         return contextlib.nullcontext()
@@ -201,8 +184,8 @@ class Eagle3Head(nn.Module):
         return self._rope(q, pos), self._rope(k, pos), v, hidden
 
     def _out(self, attn: torch.Tensor, residual: torch.Tensor, score: bool = True):
-        """attn [B, heads, T, d] -> (draft logits [B, T, V_d], or with `score` False the
-        normed hidden they come from; the pre-norm hidden [B, T, H])."""
+        """attn [B, heads, T, d] -> (logits [B, T, V_d], or normed hidden if not `score`;
+        pre-norm hidden [B, T, H])."""
         layer = self.layers[0]
         b, _, t, _ = attn.shape
         h = layer.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, -1)) + residual
@@ -224,11 +207,9 @@ class Eagle3Head(nn.Module):
         return self._dense is not None
 
     def compile(self, backend: str = "inductor", mode: str | None = None) -> None:
-        """Run drafting's dense parts (`fuse`, the norms, q/k/v and RoPE; the output projection,
-        MLP, norm and pruned head) through `torch.compile`, dynamic in rows and tokens; the cache
-        append and the attention stay eager between them, as in the target's lean runner
-        (`runner.py`). Training stays eager. A row count or token count of 1 is its own graph
-        (torch specialises sizes of 1): `warm_up` runs each."""
+        """`torch.compile` drafting's dense parts (`fuse`, `_qkv`, `_out`), dynamic in rows and
+        tokens; cache append and attention stay eager, training too. Sizes of 1 are their own
+        graphs: `warm_up` runs each."""
         self._dense = tuple(
             torch.compile(f, dynamic=True, backend=backend, mode=mode)
             for f in (self.fuse, self._qkv, self._out)
@@ -242,9 +223,8 @@ class Eagle3Head(nn.Module):
 
     @torch.inference_mode()  # as the step loop drafts (compiled graphs guard on the mode)
     def warm_up(self, rows: int = 2) -> None:
-        """Draft once from scratch caches in every shape drafting uses: a read of several
-        states and of one, by one row and by `rows` rows, a guess of one row and of `rows` rows together (a compiled head
-        compiles them now, not in a request)."""
+        """Draft from scratch caches in every shape drafting uses (1 or `rows` rows, reads of
+        one or several states), so a compiled head compiles now, not in a request."""
         aux = torch.zeros(7, 3 * self.config.hidden_size, dtype=self.fc.weight.dtype)
         with _no_duck_shapes():  # a size that happens to equal another is not tied to it
             self.draft_many([([0] * 8, aux, HeadCache(), 3, None)])
@@ -255,8 +235,7 @@ class Eagle3Head(nn.Module):
 
     @torch.inference_mode()
     def step_ms(self, context: int = 64, repeat: int = 30) -> float:
-        """Median milliseconds of one guess of one row (a one-token pass, the head's step)
-        after reading `context` states into a scratch cache; the cache is cut back after each."""
+        """Median ms of a one-row guess after `context` states in a scratch cache."""
         dev, dtype = self.fc.weight.device, self.fc.weight.dtype
         _, pre = self.forward_step(
             torch.zeros(1, context, dtype=torch.long, device=dev),
@@ -278,9 +257,8 @@ class Eagle3Head(nn.Module):
     def forward_step(
         self, ids: torch.Tensor, hidden: torch.Tensor, start: int, cache: HeadCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions start..start+T-1 of one sequence: ids [1, T] (the next tokens), hidden
-        [1, T, H] (fused target states, or the head's own). Appends to `cache`; returns the
-        logits [1, T, V_d] and pre-norm outputs [1, T, H]."""
+        """Positions start..start+T-1: ids [1, T], hidden [1, T, H] (fused target's or the head's).
+        Appends to `cache`; returns logits [1, T, V_d] and pre-norm outputs [1, T, H]."""
         t = ids.shape[1]
         pos = torch.arange(start, start + t, device=ids.device)[None]
         _, qkv, out = self._parts()
@@ -291,8 +269,7 @@ class Eagle3Head(nn.Module):
     def propose(
         self, seq: list[int], aux: torch.Tensor, cache: HeadCache, k: int, choose=None
     ) -> list[int]:
-        """k guesses after `seq` (committed x_0..x_m), given the target's hidden states `aux`
-        [>= m, 3H] of x_0..x_{m-1}: `draft` with the ones the cache has not read."""
+        """`draft` given all target states `aux` [>= m, 3H] of x_0..x_{m-1}."""
         m = len(seq) - 1
         return self.draft(seq, aux[cache.length : m], cache, k, choose)
 
@@ -300,23 +277,18 @@ class Eagle3Head(nn.Module):
     def draft(
         self, seq: list[int], fresh: torch.Tensor, cache: HeadCache, k: int, choose=None
     ) -> list[int]:
-        """k guesses after `seq` (committed x_0..x_m). `fresh` [n, 3H]: the target's hidden
-        states of the committed positions the cache has not read (m - cache.length of them,
-        at least one). The cache reads them, drafts, then is cut back to the committed
-        positions. `choose(logits over the head's vocabulary) -> draft index`: how a guess is
-        picked (default: greedy)."""
+        """k guesses (target ids) after committed `seq` x_0..x_m. `fresh` [m - cache.length >= 1,
+        3H]: target states the cache has not read; the cache ends cut back to committed positions.
+        `choose(draft-vocab logits) -> draft index` picks a guess (default greedy)."""
         return self.draft_many([(seq, fresh, cache, k, choose)])[0]
 
     @torch.no_grad()
     def draft_many(
         self, jobs: list[tuple], on_pass: Callable[[int, float, bool], None] | None = None
     ) -> list[list[int]]:
-        """`draft` for several sequences, each job (seq, fresh, cache, k, choose): all read their
-        fresh states in one pass (`_read_rows`), then guesses 2..k of every sequence still
-        drafting step together, one head pass per position over all of them (their caches laid
-        out to the longest, the rest masked), as the draft model's rows do: a head step for
-        sixteen rows costs about one for one. `on_pass(rows, seconds, read)`, if given, times
-        each pass: the read (its rows, True) and each shared pass (its rows, False)."""
+        """`draft` for jobs (seq, fresh, cache, k, choose): one read pass over all, then one shared
+        head pass per guess position over the jobs still drafting. `on_pass(rows, seconds, read)`
+        times each pass (read True for the first)."""
         dev, tids = self.fc.weight.device, self.target_ids
         outs: list[list[int]] = []
         chain: list[tuple[int, torch.Tensor]] = []  # (job, the head's last pre-norm output)
@@ -350,19 +322,15 @@ class Eagle3Head(nn.Module):
         return outs
 
     def _attend(self, q, k, v, cache: HeadCache) -> torch.Tensor:
-        """One sequence's new positions [1, heads, T, d]: their keys and values appended to
-        its cache, attention causal over them, every cached position visible."""
+        """Causal attention of one sequence's new positions [1, heads, T, d] over its cache."""
         k_all, v_all = cache.append(k, v)
         t, s = q.shape[2], k_all.shape[2]
         mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
 
     def _read_rows(self, jobs: list[tuple]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every job's fresh states (job: seq, fresh, cache, k, choose) in one pass: the dense
-        parts over all rows' new positions flattened ([1, sum of reads]), attention row by row
-        over each row's own cache, the scores at each row's last position only. Returns the
-        logits there [rows, V_d] and the pre-norm outputs [rows, 1, H]: only the last
-        position's guess is used, so only it is scored."""
+        """Read every job's fresh states in one pass (dense parts flattened, attention per row).
+        Returns logits at each row's last position [rows, V_d] and pre-norm outputs [rows, 1, H]."""
         dev = self.fc.weight.device
         fuse, qkv, out = self._parts()
         ids: list[int] = []
@@ -398,8 +366,7 @@ class Eagle3Head(nn.Module):
     def _step_rows(
         self, ids: torch.Tensor, hidden: torch.Tensor, caches: list[HeadCache]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One position of several sequences: ids [R, 1], hidden [R, 1, H], each at its own
-        cache's length; appends to each cache and attends over it (padded to the longest)."""
+        """One position of R sequences: ids [R, 1], hidden [R, 1, H]; caches padded to longest."""
         starts = [c.length for c in caches]
         pos = torch.tensor(starts, device=ids.device)[:, None]
         _, qkv, out = self._parts()
@@ -412,8 +379,7 @@ class Eagle3Head(nn.Module):
             kk, vv = c.append(k[row : row + 1], v[row : row + 1])
             n = kk.shape[2]
             keys[row, :, :n], values[row, :, :n], mask[row, ..., :n] = kk[0], vv[0], True
-        # Grouped-query heads read their kv head in place (`enable_gqa`): no per-head copies of
-        # the keys and values (docs/measurements.md).
+        # `enable_gqa`: no per-head copies of keys/values (docs/measurements.md).
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return out(attn, residual)
 
@@ -421,14 +387,11 @@ class Eagle3Head(nn.Module):
     def ttt_logits(
         self, ids: torch.Tensor, aux: torch.Tensor, steps: int, score: bool = True
     ) -> list[torch.Tensor]:
-        """Training-time test over a batch. ids [B, T]: tokens x_0..x_{T-1}; aux [B, T, 3H]: the
-        target's hidden states after each. Step j's query t reads x_{t+1+j} (the next token,
-        teacher-forced: a guess counts only if the target agrees) and, for j > 0, the head's
-        own step j-1 output at t; it sits at position t+j and attends to step 0's keys at
-        positions <= t plus steps 1..j's keys at t. Returns per step the logits [B, T, V_d]
-        (query t of step j scores the token at position t+j+2; positions whose next token
-        runs past T read a pad and must be masked out by the caller). `score` False: the
-        normed hidden states instead, for the caller to score only the positions it needs."""
+        """Training-time test. ids [B, T], aux [B, T, 3H] (target states after each token).
+        Step j's query t reads x_{t+1+j} and (j > 0) step j-1's output at t; at position t+j it
+        attends to step 0's keys <= t plus steps 1..j's keys at t. Returns per step logits
+        [B, T, V_d], query t scoring the token at t+j+2 (caller masks positions past T), or with
+        `score` False the normed hidden states."""
         b, t = ids.shape
         dev = ids.device
         nxt = torch.cat([ids[:, 1:], ids[:, -1:].expand(b, steps)], dim=1)  # x_{t+1}, padded

@@ -1,6 +1,4 @@
-"""An EAGLE-3 head's shape: its config (the layout vllm-project/speculators saves) and how it
-is derived from a target's transformers config. Pure: no torch modules, no files.
-"""
+"""An EAGLE-3 head's config (speculators' layout), derived from a target's. Pure."""
 
 from __future__ import annotations
 
@@ -37,10 +35,8 @@ class Eagle3Config:
 
 
 def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's low/middle/high depths as vLLM picks them: 2, L // 2, L - 3, ascending. vLLM
-    taps each layer once, so where those coincide (a target of under 7 layers) the first,
-    middle and last layer instead; a target of under 3 layers repeats one (a head only Phoenix
-    serves: merge says so)."""
+    """vLLM's low/middle/high depths 2, L // 2, L - 3; where they coincide (L < 7) first, middle,
+    last; L < 3 repeats one (a head only Phoenix serves)."""
     low, mid, high = min(2, n_layers - 1), n_layers // 2, max(0, n_layers - 3)
     if len({low, mid, high}) < 3 and n_layers >= 3:
         low, high = 0, n_layers - 1

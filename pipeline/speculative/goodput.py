@@ -1,8 +1,4 @@
-"""The goodput policy (`bandit.policy: goodput`, the default): the arm with the best predicted
-goodput at the load a request joins, and the per-step gate that caps the bandit's rows'
-guesses at the batch they share. Pure: arms, rewards and the step loop's measured curves, no
-models.
-"""
+"""The goodput policy (`bandit.policy: goodput`, the default) and its per-step gate. Pure."""
 
 from __future__ import annotations
 
@@ -14,7 +10,7 @@ from .cost import added_passes, shared_passes, step_seconds
 
 @dataclass(frozen=True)
 class StepRow:
-    """What the per-step gate (`GoodputBandit.step_caps`) sees of one row of a step."""
+    """One row of a step, as `GoodputBandit.step_caps` sees it."""
 
     arm: str
     k: int  # the most it could guess this step (its arm's k, less what its budget leaves)
@@ -25,30 +21,22 @@ class StepRow:
 
 
 class GoodputBandit(EpsilonGreedy):
-    """The arm with the best predicted goodput at the load the request joins (policy `goodput`).
+    """The arm with the best predicted goodput (batch tokens/s with this row in it) at the load
+    the request joins. Other rows feed F_o and commit R_o a step (default rows - 1 plain). With
+    `cost.py`'s curves S(x) (step feeding x), D(m) / H(m) (draft / head pass for m rows):
 
-    Goodput: what the batch commits per second with this row in it. The other rows feed F_o and
-    commit R_o tokens a step (default: rows - 1 plain rows). With the loop's curves (`cost.py`:
-    S(x) a step feeding x tokens, D(m) a draft pass for m rows, H(m) a head pass), arm s:k is
-
-        tokens(s:k) = 1 + sum_{i<k} P_s[i]     P_s[i]: share of rounds able to guess at i whose
-                                                guesses 1..i+1 were all accepted
+        tokens(s:k) = 1 + sum_{i<k} P_s[i]
         step(s:k)   = sum_{j<=k} (Q_s[j-1] - Q_s[j]) * S(F_o + 1 + j)
-                                                Q_s[i]: share that guessed there (Q_s[-1] = 1,
-                                                Q_s[k] = 0): priced per number of guesses j
-        draft(s:k)  = k * (D(m + 1) - D(m)) for draft, k * (H(m + 1) - H(m)) for eagle
-                                                (m: the other rows sharing the pass; m = 0: D(1))
-        goodput     = (R_o + tokens) / (step + P_o + draft)
-                                                (arm 0: (R_o + 1) / (S(F_o + 1) + P_o))
+        draft(s:k)  = k * (D(m + 1) - D(m))   (eagle: H; m other rows in the pass; m = 0: D(1))
+        goodput     = (R_o + tokens) / (step + P_o + draft)  (arm 0: (R_o + 1) / (S(F_o + 1) + P_o))
 
-    P_o: what the other rows' proposals add to every step (`drafting_seconds`). Acceptance is
-    learnt per strategy, position and temperature bucket (an unmeasured bucket borrows the
-    greedy figures) and decays by `decay` per round. Where plain wins beside other rows but a
-    speculative arm would win alone, the request gets that arm (`Decision.deferred`) and the
-    per-step gate (`step_caps`) caps its guesses. Warm-up and exploration are the plausible
-    policy's, exploring only arms within `explore_margin` of the best prediction (or not yet
-    predicted). Without the loop's figures in the context: the plausible policy. Rationale:
-    docs/serving.md."""
+    P_s[i]: share of rounds able to guess at i whose guesses 1..i+1 were all accepted; Q_s[i]:
+    share that guessed at i (Q_s[-1] = 1, Q_s[k] = 0); P_o: the other rows' proposals per step.
+    Acceptance is learnt per strategy, position and temperature bucket (unmeasured buckets borrow
+    greedy), decaying by `decay` per round. Where plain wins beside others but a speculative arm
+    would win alone, the request gets that arm (`Decision.deferred`), capped per step by
+    `step_caps`. Exploration is limited to arms within `explore_margin` of the best (or
+    unpredicted). Without loop figures: the plausible policy. Rationale: docs/serving.md."""
 
     def __init__(
         self, arms, rng, *args, explore_margin: float = 0.1, decay: float = 0.998,
@@ -70,7 +58,7 @@ class GoodputBandit(EpsilonGreedy):
 
     @staticmethod
     def _key(strategy: str, context: Context | None) -> str:
-        """Acceptance is kept per strategy and temperature bucket: `ngram`, `ngram@2`, ..."""
+        """Acceptance key per strategy and temperature bucket: `ngram`, `ngram@2`, ..."""
         b = temperature_bucket(context)
         return f"{strategy}@{b}" if b else strategy
 
@@ -104,10 +92,9 @@ class GoodputBandit(EpsilonGreedy):
         return (tokens_o + tokens) / max(cost, 1e-9)
 
     def seed(self, prior: dict[str, tuple[list, list, list]], rounds: float) -> list[str]:
-        """Start from acceptance measured elsewhere (`drafts.bench_prior`). `prior[key]`:
-        (rounds that could guess at position i, proposed at i, accepted at i) per strategy key
-        (`_key`), scaled to weigh at most `rounds` rounds. Keys with figures already and
-        strategies no arm uses are left alone. Returns the keys seeded."""
+        """Seed acceptance from `drafts.bench_prior`: `prior[key]` = (eligible, proposed, accepted)
+        per position, scaled to at most `rounds` rounds. Skips keys already known and strategies
+        no arm uses. Returns the keys seeded."""
         used = {strategy_of(a) for a in self.arms}
         seeded = []
         with self._lock:
@@ -125,8 +112,7 @@ class GoodputBandit(EpsilonGreedy):
         return seeded
 
     def _known(self, arm, context: Context) -> bool:
-        """Whether `arm` needs no warm-up pull: a speculative arm whose acceptance is known and
-        whose every cost is measured (a step as long as it feeds; its draft or head pass).
+        """Whether speculative `arm` needs no warm-up pull (acceptance and every cost measured).
         Plain is always pulled: the drift guard compares with it."""
         s, k = strategy_of(arm), int(str(arm).partition(":")[2] or 0)
         if not s or k == 0 or self.predict(arm, context) is None:
@@ -170,8 +156,7 @@ class GoodputBandit(EpsilonGreedy):
                            deferred=deferred)  # fmt: skip
 
     def _alone(self, context: Context):
-        """The arm predicted best for this request alone (`Context.alone_cost`), if it is a
-        speculative one; else None."""
+        """The arm predicted best for this request alone, if speculative; else None."""
         if context.alone_cost is None:
             return None
         alone = replace(context, rows=1, step_cost=context.alone_cost, draft_rows=0, head_rows=0,
@@ -181,9 +166,8 @@ class GoodputBandit(EpsilonGreedy):
         return best if strategy_of(best) else None
 
     def guesses(self, arm, temperature: float = 0.0) -> list[tuple[float, float]] | None:
-        """[(guesses fed, tokens committed) a step at cap j], j = 0.. as far as `arm`'s
-        acceptance at this temperature was measured (else the greedy figures). None: plain, or
-        not even its first position measured. Call under the lock."""
+        """[(guesses fed, tokens committed) per step at cap j] for j up to where `arm`'s acceptance
+        is measured; None if plain or unmeasured. Call under the lock."""
         s, k = strategy_of(arm), int(str(arm).partition(":")[2] or 0)
         if not s or k == 0:
             return None
@@ -202,21 +186,16 @@ class GoodputBandit(EpsilonGreedy):
         return out
 
     def step_caps(self, rows: list[StepRow], step_cost, draft_cost=None, head_cost=None):
-        """The most tokens each row of a step may guess (the step loop's gate). Alone, or
-        without the loop's figures: each row its arm's k. Beside other rows: one cap c for the
-        adaptive rows together, the c in 0..k maximising
+        """The most tokens each row may guess this step. Alone or without figures: its k. Else one
+        cap c for the adaptive rows, the c in 0..k maximising
 
             goodput(c) = sum_r tokens_r(c) / (S(sum_r (1 + guesses_r(c))) + H + D)
 
-        (S per number of guesses for prompt-lookup rows, which guess all or none; H, D the
-        shared passes, `shared_passes`; adaptive rows priced by `guesses`, fixed rows at what
-        they fed so far). c > 0 must beat c = 0 by `margin(rows)`.
-
-        Learners: an adaptive row whose acceptance does not reach its k (`_reaches`) cannot be
-        priced; the first `learners` such rows (row order) guess their whole k, priced as fixed
-        rows, the others get 0. Bound: at most `learners` unpriced rows a step; after a swap,
-        the new draft is measured within `warmup_pulls` x (forgotten arms) bandit requests that
-        guess in at least one step, whatever the load."""
+        (ngram rows guess all or none; H, D: `shared_passes`; fixed rows at what they fed so far);
+        c > 0 must beat c = 0 by `margin(rows)`. Learners: the first `learners` adaptive rows whose
+        acceptance does not reach their k guess their whole k (priced as fixed), the rest get 0.
+        So after a swap the new draft is measured within `warmup_pulls` x (forgotten arms)
+        guessing bandit requests, whatever the load."""
         full = [r.k for r in rows]
         if len(rows) <= 1 or step_cost is None:
             return full
@@ -237,8 +216,7 @@ class GoodputBandit(EpsilonGreedy):
         return plan is not None and len(plan) > min(k, self.top)
 
     def step_values(self, rows: list[StepRow], step_cost, draft_cost=None, head_cost=None):
-        """([predicted goodput of the step with adaptive rows capped at c, c = 0..largest k],
-        {adaptive row index: its `guesses`})."""
+        """([step goodput with adaptive rows capped at c, c = 0..], {adaptive row: `guesses`})."""
         with self._lock:
             plans = {i: self.guesses(r.arm, r.temperature) for i, r in enumerate(rows)
                      if r.adaptive and r.k > 0}  # fmt: skip
@@ -275,14 +253,12 @@ class GoodputBandit(EpsilonGreedy):
         return [goodput(c) for c in range(top + 1)], plans
 
     def margin(self, rows: int) -> float:
-        """How far a guess must be predicted to beat plain beside other rows: `speculate_margin`
-        at 2 rows, plus `margin_per_row` for every row past two (docs/serving.md)."""
+        """Relative margin a guess must beat plain by: `speculate_margin` + `margin_per_row` per row
+        past two."""
         return self.speculate_margin + self.margin_per_row * max(0, rows - 2)
 
     def _allowed(self, values: dict, context: Context) -> list:
-        """The arms a request may get. Alone: all. Beside other rows: plain, and the speculative
-        arms predicted to beat plain by `margin(rows)` (an unknown one is never explored there:
-        warm-up pulls learn it)."""
+        """Alone: every arm. Beside others: plain and the arms predicted to beat it by `margin`."""
         plain = next((a for a in self.arms if not strategy_of(a)), None)
         if context.rows <= 1 or plain is None or values.get(plain) is None:
             return list(self.arms)
@@ -294,10 +270,9 @@ class GoodputBandit(EpsilonGreedy):
         return Decision(arm, explored, warmup, eps, shown, dict(self.counts))
 
     def update(self, arm, reward, context=None, acceptance=None, weight=1.0, positions=None):
-        """As the plausible policy's, plus `positions`: the request's (rounds that could guess
-        at each position, or one number for all; proposed at each; accepted at each), which
-        teach its strategy's acceptance. A speculative arm whose acceptance still does not reach
-        its k goes back on `rewarm` (`step_caps`, learners)."""
+        """As the plausible policy's, plus `positions` (eligible per position or one number,
+        proposed, accepted) teaching the strategy's acceptance. An arm whose acceptance does not
+        yet reach its k goes back on `rewarm`."""
         super().update(arm, reward, context, acceptance, weight)
         s, k = strategy_of(arm), int(str(arm).partition(":")[2] or 0)
         if not s or k == 0:

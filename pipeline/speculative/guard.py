@@ -1,6 +1,4 @@
-"""The drift guard: falls back to plain generation when speculation stops paying. Pure: rewards
-in, a hold or a probe out; `serving.policy.Policy` consults it before the bandit chooses.
-"""
+"""The drift guard (`DriftGuard`), consulted by `serving.policy.Policy`. Pure."""
 
 from __future__ import annotations
 
@@ -12,16 +10,12 @@ from dataclasses import dataclass, field
 
 @dataclass
 class DriftGuard:
-    """Falls back to plain generation when speculation stops paying.
+    """Falls back to plain generation when speculation stops paying. Thread-safe.
 
-    `observe` takes every bandit request's outcome: plain (arm 0) rewards fill one window,
-    rewards of speculative arms the bandit chose to exploit fill the other. When the speculative
-    window holds `min_samples` and its mean is below the plain window's mean by more than
-    `margin` (a fraction), the guard falls back for `cooldown` requests (`hold()` is then True),
-    then clears the speculative window and probes (`probe()` is then True: the caller runs the
-    best speculative arm by the bandit's means): the next `min_samples` speculative requests
-    either recover (event "recovered") or fall back again with twice the cool-down (at most
-    8x). Thread-safe; events are returned to the caller."""
+    Plain rewards fill one window, exploited speculative rewards the other. With `min_samples`
+    speculative and a mean below plain's by more than `margin`, it holds `cooldown` requests
+    plain (`hold()`), then probes (`probe()`: the caller runs the best speculative arm) for
+    `min_samples` requests: "recovered", or a fallback with twice the cool-down (at most 8x)."""
 
     window: int = 8
     margin: float = 0.2
@@ -51,8 +45,7 @@ class DriftGuard:
             return True
 
     def probe(self) -> bool:
-        """Whether this request should probe speculation: after a cool-down, at most
-        `min_samples` requests, which the window then judges."""
+        """Whether this request probes speculation (after a cool-down, at most `min_samples`)."""
         with self._lock:
             if not self.probing or self.remaining > 0 or self.probes >= self.min_samples:
                 return False
@@ -60,8 +53,7 @@ class DriftGuard:
             return True
 
     def observe(self, plain: bool, exploited: bool, reward: float) -> dict | None:
-        """One bandit request's tokens/s. Returns an event dict ("fallback" or "recovered",
-        with both windows' means) when the state changed, else None."""
+        """One bandit request's tokens/s; returns a "fallback"/"recovered" event dict, or None."""
         with self._lock:
             if plain:
                 self._push(self.plain, reward)
@@ -85,8 +77,7 @@ class DriftGuard:
             return None
 
     def reset_speculative(self) -> None:
-        """Forget the speculative window and any fall-back (a new draft model gets a fresh
-        chance); the plain window stays, plain generation has not changed."""
+        """Forget the speculative window and any fallback (a new draft); the plain window stays."""
         with self._lock:
             self.spec.clear()
             self.remaining, self.fallbacks, self.probing = 0, 0, False

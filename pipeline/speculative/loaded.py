@@ -1,5 +1,4 @@
-"""The loaded models the step loop runs over, and the token ids it needs: a record, no logic
-but the checks that they fit together. `models.load_pair` builds one for every caller."""
+"""The loaded models and token ids the step loop runs over (built by `models.load_pair`)."""
 
 from __future__ import annotations
 
@@ -15,10 +14,8 @@ def context_limit(*models) -> int | None:
 
 
 class Models:
-    """A target, an optional same-tokenizer draft model (`drafter`, optionally over a pruned
-    head: `draft_token_ids`) and an optional EAGLE-3 head over the target, on one device.
-    Invariants: the draft's and the head's vocabularies are the target's; `max_context` is the
-    shortest context of the target and the draft."""
+    """A target, optional draft (`drafter`, pruned head `draft_token_ids`) and EAGLE-3 head, on
+    one device. Invariants: vocabularies match the target's; `max_context` is the shortest."""
 
     def __init__(
         self,

@@ -1,5 +1,4 @@
-"""One request in the step loop: what it asked for, where its state is, what it has done, and
-the result it returns. Pure data: `batch.RowBatch` and the proposers (`propose/`) update it."""
+"""One request in the step loop (`Row`) and its result. Pure data."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ class GenerationResult:
     proposed: int = 0
     accepted: int = 0
     rounds: int = 0
-    # Per position: the steps that could guess there (its arm's k and its budget allowing),
-    # those that did, and those whose guesses up to it were all accepted.
+    # Per position: steps that could guess there, did, and had guesses up to it all accepted.
     eligible_per_position: list[int] = field(default_factory=list)
     proposed_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
@@ -50,11 +48,9 @@ class GenerationResult:
 
 @dataclass(eq=False)
 class Row:
-    """One request in the batch. `seq` is prompt + committed output; the target's cache row
-    `tslot` holds `seq[:-1]` between steps (the last committed token is fed next step). The
-    proposer fields belong to the row's proposer (`propose/`): `dslot` (the draft model's cache
-    row), `ngram` (its prompt-lookup index), `hcache` and `aux_new` (the EAGLE-3 head's cache
-    and the target states of committed positions it has not read)."""
+    """One request in the batch. `seq` = prompt + output; target cache row `tslot` holds
+    `seq[:-1]` between steps. `dslot`, `ngram`, `hcache`, `aux_new` (target states the head has
+    not read) belong to the row's proposer."""
 
     key: object  # the caller's handle, returned with the row
     prompt: list[int]

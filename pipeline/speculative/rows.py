@@ -1,30 +1,15 @@
-"""Per-row KV caches that diverge, and one flattened forward over many rows: the representation
-the step loop (`batch.py`) runs on.
+"""Per-row KV caches that diverge, and one flattened forward over many rows (`batch.py`'s).
 
-Cache: **per-row positions in one padded cache**. Every layer keeps one key and one value tensor
-of shape `[rows, kv_heads, capacity, head_dim]`; a request owns one row (a slot) and its valid
-positions are always the prefix `[0, length)` of that row. Rows accept different numbers of
-tokens, so after a verify each row just sets its own length back (`crop`): the rejected guesses'
-entries stay where they are, invisible, and the next feed overwrites them. Nothing moves on a
-rollback. Slots stay packed (`0 .. used-1`): when a row leaves, the last row is copied into its
-slot (its valid prefix, every layer), so a forward over all rows, fed in slot order, reads plain
-views (`RowBatch` keeps its rows in that order); rows fed in any other order are gathered, a
-copy of every layer's keys and values (docs/measurements.md: `benchmarks.loop_arms --slots`).
+Cache: each layer keeps keys and values `[rows + 1 spare, kv_heads, capacity, head_dim]`; a
+request owns a slot whose valid positions are always the prefix `[0, length)`. Rollback only
+shortens the length (`crop`); nothing moves. Slots stay packed (`0 .. used-1`: a leaving row's
+slot takes the last row), so a pass over all rows in slot order reads views, not copies.
+Capacity grows by doubling up to one column past the context limit.
 
-Forward: **flattened, as vLLM's**. The rows' feeds (each its own length: a plain row 1 token, a
-verify k+1, a joiner its prompt) are concatenated into one sequence of T tokens, each with its
-own position, so the linear layers (nearly all of the cost) run on exactly T rows, with no
-padding for ragged feeds. Only attention sees rows: `rows_attention`, registered with
-transformers as the attention implementation "phoenix_rows", scatters each token's key and
-value into its row at its position, lays the queries out as `[rows, longest feed]`, and attends
-each row over its own prefix (a mask lets feed token j of row b see columns `<= length_b + j`),
-with grouped-query heads folded into the query length so keys and values are never copied per
-head. A model run without a plan (training, a plain forward) attends with SDPA.
-
-Memory: `2 x layers x (rows + 1) x kv_heads x capacity x head_dim` numbers per model (the one
-spare row pads a compiled pass: `RowCache.padded`); capacity grows by doubling (a copy) up to
-one column past the engine's context limit (SmolLM2-135M, fp32: 46 KB a position per row).
-Attention reads each row's columns up to the longest row of the step (`width`).
+Forward, flattened as vLLM's: the rows' ragged feeds are one sequence of T tokens with their
+own positions, so linears run on exactly T rows. Only attention sees rows (`attend`, registered
+with transformers as "phoenix_rows"): feed token j of row b sees its row's columns
+`<= length_b + j`. Without a plan (training, a plain forward) it is SDPA.
 """
 
 from __future__ import annotations
@@ -46,8 +31,7 @@ ATTENTION = "phoenix_rows"
 
 @dataclass
 class Plan:
-    """One flattened forward: which row and position each fed token has, and the layout the
-    attention uses. Built by `RowCache.plan`; shared by every layer of the forward."""
+    """One flattened forward's token rows, positions and attention layout (`RowCache.plan`)."""
 
     slots: torch.Tensor  # [R] the rows fed, in order
     token_slot: torch.Tensor  # [T] each token's row (cache slot)
@@ -60,10 +44,9 @@ class Plan:
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: Plan, scale: float):
-    """Each fed token attends over its own row's prefix. `q`: [T, heads, head_dim]; `keys`,
-    `values`: the fed rows' caches, [R, kv_heads, width, head_dim]. Returns [T, heads,
-    head_dim]. The queries are laid out as [rows, longest feed] with grouped-query heads folded
-    into the query length, so one SDPA call serves every row and no key is copied per head."""
+    """Each fed token attends over its own row's prefix: q [T, heads, d], keys/values
+    [R, kv_heads, width, d] -> [T, heads, d]. One SDPA call, queries as [R, kv, groups *
+    longest] so no key is copied per head."""
     t, heads, d = q.shape
     r, kv, width, _ = keys.shape
     groups, longest = heads // kv, plan.longest
@@ -77,9 +60,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: Plan
 
 
 def rows_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
-    """`attend` as a transformers attention implementation (module docstring). `query`: [1,
-    heads, T, head_dim]; `key`, `value`: what `RowCache.update` returned. Returns [1, T, heads,
-    head_dim]. Without a plan (a plain forward of the same model): SDPA."""
+    """`attend` as a transformers attention: query [1, heads, T, d] -> [1, T, heads, d]; no
+    plan: SDPA."""
     plan: Plan | None = kw.pop("phoenix_plan", None)
     if plan is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout,
@@ -92,8 +74,7 @@ AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # a plain forward's mask:
 
 
 class RowCache(Cache):
-    """Per-row positions in a padded cache (module docstring). Not thread-safe: the step loop's
-    thread is its only user."""
+    """Per-row positions in a padded cache (module docstring). Not thread-safe."""
 
     def __init__(self, model, rows: int, limit: int, capacity: int = 256):
         super().__init__(layers=[])
@@ -125,8 +106,7 @@ class RowCache(Cache):
 
     @torch.inference_mode()  # a copy between rows, nothing for autograd to record
     def release(self, slot: int) -> int | None:
-        """Free `slot`. The last row moves into it; returns the slot it moved from (None when
-        `slot` was the last)."""
+        """Free `slot`, moving the last row into it; returns the slot moved from (None: none)."""
         last = self.used - 1
         self.used -= 1
         if slot == last:
@@ -201,12 +181,9 @@ class RowCache(Cache):
         return self._plan
 
     def padded(self, slots: Sequence[int], feeds: Sequence[Sequence[int]]):
-        """The rows and feeds of a pass the compiled pass (`runner._Pass`) can take, or None.
-        It takes a pass over every row in slot order; torch specialises its graphs on sizes of
-        1, so where such a pass has one row or feeds one token a row, the spare slot (the first
-        free one: the rows stay a plain view) joins it with two tokens of its own at positions
-        0 and 1. It is free, so they overwrite nothing; its length stays 0 (the caller advances
-        only the rows it fed). One graph then serves every step, with no recompile."""
+        """(slots, feeds) the compiled pass can take, or None: a pass over every row in slot
+        order. Where it has one row or one token a row (sizes of 1 specialise a graph), the
+        free spare slot joins with two tokens of its own; its length stays 0."""
         if list(slots) != list(range(self.used)):
             return None
         if len(slots) >= 2 and max(len(f) for f in feeds) >= 2:
@@ -224,8 +201,7 @@ class RowCache(Cache):
         return self.write(layer_idx, key_states[0].transpose(0, 1), value_states[0].transpose(0, 1))
 
     def write(self, layer_idx: int, k_new: torch.Tensor, v_new: torch.Tensor):
-        """Write the fed tokens' keys and values ([T, kv_heads, head_dim]) into their rows;
-        return the fed rows' caches up to the step's width ([R, kv_heads, width, head_dim])."""
+        """Write [T, kv_heads, d] into the rows; returns the fed rows' [R, kv_heads, width, d]."""
         p = self._plan
         k, v = self.keys[layer_idx], self.values[layer_idx]
         k[p.token_slot, :, p.positions] = k_new.to(k.dtype)
@@ -250,10 +226,8 @@ def _flat(feeds: Sequence[Sequence[int]], device) -> torch.Tensor:
 
 
 def _hidden(model, cache: RowCache, slots, feeds, taps: Sequence[int] = ()):
-    """One flattened forward over the rows: the final hidden states of every fed token
-    [T, hidden], through the model's lean runner (`runner.py`) when it has one, else through
-    transformers' forward with `rows_attention`. The cache advances. With `taps` (layer ids):
-    also those layers' inputs, concatenated [T, len(taps) * hidden] (an EAGLE-3 head's)."""
+    """One flattened forward: final hidden states [T, hidden] (lean runner, else transformers);
+    the cache advances. With `taps`: also those layers' inputs [T, len(taps) * hidden]."""
     runner = getattr(model, "_phoenix_runner", None)
     padded = cache.padded(slots, feeds) if runner is not None and runner.compiled else None
     plan = cache.plan(*(padded or (slots, feeds)))
@@ -292,9 +266,7 @@ def target_logits(
     model, cache: RowCache, slots: Sequence[int], feeds: Sequence[Sequence[int]],
     taps: Sequence[int] = (),
 ):  # fmt: skip
-    """Feed each row its tokens; returns the target's logits after every fed token, the rows'
-    feeds one after another ([sum of feed lengths, vocab]); with `taps`, (logits, the tapped
-    layers' inputs [sum of feed lengths, len(taps) * hidden])."""
+    """Logits after every fed token [sum of feeds, vocab]; with `taps`, (logits, tapped inputs)."""
     if taps:
         hidden, tapped = _hidden(model, cache, slots, feeds, taps)
         return _head(model, hidden), tapped
@@ -323,9 +295,8 @@ def prefill(
     model, cache: RowCache, slots: Sequence[int], feeds: Sequence[Sequence[int]],
     taps: Sequence[int] = (),
 ):  # fmt: skip
-    """Feed each row its tokens for the cache only (no scores: the next step feeds the last
-    token). Rows with nothing to feed are left alone. With `taps`: returns (hidden, the tapped
-    layers' inputs) of the rows fed, their feeds one after another (else None)."""
+    """Feed rows for the cache only; empty feeds are skipped. Returns None if nothing was fed,
+    else `_hidden`'s result (with `taps`: (hidden, tapped inputs) of the rows fed)."""
     pairs = [(s, f) for s, f in zip(slots, feeds, strict=True) if f]
     if pairs:
         return _hidden(model, cache, [s for s, _ in pairs], [f for _, f in pairs], taps)
@@ -340,9 +311,7 @@ def draft_scores(
     feeds: Sequence[Sequence[int]],
     head: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The draft's logits for each row's next token after its feed ([rows, V]); with `head`
-    (rows of the output embedding for a pruned vocabulary) only those tokens are scored, in
-    the head's order ([rows, len(head)])."""
+    """Draft logits after each row's feed [rows, V]; with a pruned `head`, [rows, len(head)]."""
     hidden = _hidden(model, cache, slots, feeds)
     ends = torch.tensor([len(f) for f in feeds]).cumsum(0) - 1
     h = hidden[ends.to(hidden.device)]

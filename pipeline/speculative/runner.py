@@ -1,27 +1,13 @@
-"""A decoder's flattened forward for the step loop, written out: the Llama family (Llama, Qwen2,
-Qwen3, Mistral without a sliding window), as vLLM writes its own model code.
+"""The lean runner: a flattened forward for the Llama family (Llama, Qwen2, Qwen3, Mistral
+without a sliding window), the same arithmetic as transformers' in a few ops a layer: fused
+q/k/v and gate/up matmuls (the model's parameters become views: no memory added), `F.rms_norm`,
+rotary tables per position, keys/values written into the rows' caches, `rows.attend`. Linears
+use `cpu.py`'s measured matmul form when the loader chose one. Other models run transformers'
+forward with `rows.rows_attention` (same caches, same output).
 
-transformers' forward runs about forty small operations per layer around the matmuls, plus mask
-and keyword plumbing, a large share of a one-token step on a CPU. This forward does the same arithmetic in a handful of operations a layer:
-one matmul for q, k and v together (their weights fused into one tensor, the model's own
-parameters becoming views of it, so no memory is added), one for gate and up, fused RMSNorm
-(`F.rms_norm`), rotary tables computed once per position, the keys and values written straight
-into the rows' caches, and the rows' attention of `rows.py`. Linear layers take the matmul form
-this CPU was measured to run faster at that many rows (`cpu.py`), when the loader chose one.
-
-`LeanRunner.supports(model)` says whether a model fits; the others run through transformers'
-own forward with `rows.rows_attention` (the same caches, the same plan, the same output).
-
-Compiled (`engine.compile`, `LeanRunner.compile`): the whole pass, every layer with its cache
-writes and attention, is one `torch.compile` graph (`_Pass`), dynamic in every size, so one
-graph serves every step of the loop: torch specialises a graph on sizes of 1, so a pass with
-one row or one token a row is padded by the cache's spare row (`RowCache.padded`), and a
-cache's rows and capacity are marked dynamic. Only passes over every row in slot order take the
-graph (every step does; a joiner's prefill over some of the rows runs eager), and once warm a
-shape the graph cannot take runs eager rather than compile in a request (`stance`). On a CPU
-inductor freezes the weights and times its own GEMM kernels against ATen's (max-autotune), at
-the price of minutes of compiling at every start (a graph, one more with an EAGLE-3 head's taps,
-the draft's); what it wins depends on the CPU (docs/measurements.md).
+Compiled, the whole pass is one `torch.compile` graph (`_Pass`) dynamic in every size; sizes of
+1 are padded (`RowCache.padded`). Only full passes in slot order take it; once warm, a shape it
+cannot take runs eager (`stance`). Rationale and costs: docs/serving.md, docs/measurements.md.
 """
 
 from __future__ import annotations
@@ -51,8 +37,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, choice) ->
 
 
 def _fuse(*mods: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) for several linear layers of the same input; each layer's own
-    parameter becomes a view of it (the same storage: nothing added, training unaffected)."""
+    """One weight (and bias) for several linears of one input; their parameters become views."""
     w = torch.cat([m.weight.detach() for m in mods])
     biases = [m.bias for m in mods]
     b = torch.cat([x.detach() for x in biases]) if all(x is not None for x in biases) else None
@@ -95,8 +80,7 @@ def _post(x, out, o, n2, gu, gu_b, down, eps: float, choice):
 
 def _forward(embed_tokens, layers, norm, cos_t, sin_t, eps, shape, choice, ids, cache, plan,
              taps, tapped):  # fmt: skip
-    """The pass itself (`LeanRunner.hidden`), over the weights it is given: the runner's own
-    (eager) or a `_Pass`'s parameters (compiled)."""
+    """The pass (`LeanRunner.hidden`) over the runner's weights (eager) or a `_Pass`'s."""
     x = embed_tokens(ids)  # [T, hidden]
     cos = cos_t[plan.positions][:, None]  # [T, 1, head_dim]
     sin = sin_t[plan.positions][:, None]
@@ -111,12 +95,8 @@ def _forward(embed_tokens, layers, norm, cos_t, sin_t, eps, shape, choice, ids, 
 
 
 class _Pass(torch.nn.Module):
-    """A runner's pass as one module whose parameters are the runner's weights (shared, not
-    copied), so that `torch.compile` sees them as weights: on a CPU, inductor's freezing folds
-    them into the graph as constants, and max-autotune times its own CPU GEMM kernels (AMX or
-    AVX-512 micro-kernels) against ATen's for each matmul and keeps the faster (see
-    docs/measurements.md). The matmul form `cpu.py` chooses is left out (inductor chooses), and
-    the head stays outside (eager)."""
+    """A runner's pass as a module whose parameters are the runner's weights (shared), so
+    inductor can freeze them and autotune its GEMMs. No `cpu.py` matmul form; head stays eager."""
 
     def __init__(self, run: LeanRunner):
         super().__init__()
@@ -205,9 +185,8 @@ class LeanRunner:
         self.shape = (self.heads, self.kv_heads, self.head_dim)
         self.graph: torch.nn.Module | None = None  # the compiled pass (`compile`)
         self._cached: torch.nn.Module | None = None  # the same, running cached graphs only
-        # None (serving): the graphs warmed already, a shape they cannot take eager, on this
-        # thread alone (torch's stances are process-wide; a reload compiles on another thread).
-        # Else the torch stance to call the graph under: "default" compiles (`warm_up`),
+        # None (serving): warm graphs only, other shapes eager, on this thread alone (stances
+        # are process-wide). Else the stance to call under: "default" compiles (`warm_up`),
         # "fail_on_recompile" (tests) fails a pass the warm graph cannot take.
         self.stance: str | None = None
         self.graph_passes = 0  # passes given to the compiled pass (tests count them)
@@ -220,17 +199,12 @@ class LeanRunner:
         return self.graph is not None
 
     def compile(self, backend: str = "inductor") -> None:
-        """Compile the whole pass (every layer, the cache writes, the attention) as one graph,
-        dynamic in every size: `_Pass` (its docstring says what inductor does with it here).
-        `rows._hidden` feeds it the steps it can take (`RowCache.padded`); every other pass
-        runs eager, as does any shape that would compile anew once the runner is warm
-        (`stance`)."""
+        """Compile the whole pass as one dynamic graph (`_Pass`); other passes run eager."""
         self.options = {}
         if backend == "inductor" and self.embed.device.type == "cpu":
             self.options = {"freezing": True, "max_autotune": True,
                             "max_autotune_gemm_backends": "CPP,ATEN"}  # fmt: skip
-        # Every runner's graphs are entries of the one `_Pass.forward`: a target's two, a
-        # draft's, each reloaded draft's (torch's default allows 8, then runs eager).
+        # All runners' graphs are entries of one `_Pass.forward` (torch's default limit is 8).
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.graph = torch.compile(_Pass(self), dynamic=True, backend=backend)
         self._cached = torch._dynamo.run(self.graph)
@@ -246,11 +220,9 @@ class LeanRunner:
         self, ids: torch.Tensor, cache: RowCache, plan: Plan, taps: Sequence[int] = (),
         tapped: list | None = None, graph: bool = False,
     ) -> torch.Tensor:  # fmt: skip
-        """The final normed hidden states of the fed tokens, [T, hidden]; the cache gets their
-        keys and values (the caller advances its lengths). `taps`: layers whose input (the
-        residual stream, transformers' `hidden_states[i]`) is appended to `tapped`, in order
-        (an EAGLE-3 head reads them). `graph`: through the compiled pass (the plan padded so
-        that no size is 1: `RowCache.padded`)."""
+        """Final normed hidden states [T, hidden]; the cache gets their keys/values (the caller
+        advances lengths). Inputs of layers `taps` (transformers' `hidden_states[i]`) are
+        appended to `tapped` in order. `graph`: through the compiled pass (plan padded)."""
         if graph and self.graph is not None:
             self.graph_passes += 1
             if self.stance is None:
@@ -264,15 +236,13 @@ class LeanRunner:
         return _linear(hidden, self.head.weight, self.head.bias, self.choice)
 
 
-# (rows, tokens a row) the compiled pass is run at before serving: a plain step (padded), a
-# verify, a batch of plain steps (padded), a prefill, a batch of verifies.
+# (rows, tokens a row) warmed before serving: step, verify, steps, prefill, verifies.
 WARM = ((1, 1), (2, 3), (3, 1), (1, 40), (3, 5))
 
 
 @torch.inference_mode()
 def step_ms(model, tokens: int, repeat: int = 5) -> float:
-    """Median milliseconds of a flattened forward of `tokens` tokens (hidden states and head)
-    after a prefill of up to 64 tokens, in a scratch cache of its own."""
+    """Median ms of a forward of `tokens` tokens after a <= 64-token prefill, in a scratch cache."""
     from .rows import target_scores
 
     runner = getattr(model, "_phoenix_runner", None)
@@ -292,11 +262,8 @@ def step_ms(model, tokens: int, repeat: int = 5) -> float:
 
 @torch.inference_mode()
 def warm_up(model, taps: Sequence[Sequence[int]] = ((),), on_shape=None) -> None:
-    """Run a compiled runner's pass at each of `WARM`'s shapes, with each set of `taps` (an
-    EAGLE-3 head's layers), in a scratch cache: it compiles now, not in a request (the first
-    shape compiles; the others should find the same graph). `on_shape(label, i, n, seconds)`
-    reports each. An eager runner (or none): nothing to do."""
-
+    """Compile a compiled runner now, not in a request: its pass at each `WARM` shape with each
+    set of `taps`, in scratch; `on_shape(label, i, n, seconds)` reports each. Eager: no-op."""
     runner = getattr(model, "_phoenix_runner", None)
     if runner is None or not runner.compiled:
         return
@@ -307,12 +274,9 @@ def warm_up(model, taps: Sequence[Sequence[int]] = ((),), on_shape=None) -> None
     cache = RowCache(model, max(r for r, _, _ in shapes), limit)
     stance = runner.stance
     try:
-        # Inductor's settings must hold while dynamo traces too (freezing decides how it sees
-        # the weights), so they are set around the calls that compile, not given to compile.
+        # Inductor's settings must hold while dynamo traces too, so they wrap the calls.
         runner.stance = "default"  # compiling allowed (serving: not)
-        # Floats specialised (the models' norm epsilon): traced as a symbol, it failed inductor's
-        # scalar pass and dynamo traced and compiled the whole pass again with it specialised,
-        # a third of each graph's compile time thrown away (docs/measurements.md).
+        # Specialised floats: a symbolic norm epsilon compiled every graph twice (measurements.md).
         with (torch._inductor.config.patch(runner.options),
               torch._dynamo.config.patch(specialize_float=True)):  # fmt: skip
             _warm(model, cache, shapes, on_shape)
@@ -338,10 +302,8 @@ def _warm(model, cache, shapes, on_shape=None) -> None:
 
 
 def prepare(model, limit: int, lean: bool = True) -> None:
-    """Make `model` ready for flattened forwards up to `limit` positions: its lean runner
-    (`runner.py`) where its architecture has one (and `lean`), else `rows_attention` as its
-    attention (a plain forward of it still gets SDPA). Idempotent; the runner is kept on the
-    model, so cores sharing a target share it."""
+    """Ready `model` for flattened forwards up to `limit` positions: a lean runner if supported
+    and `lean`, else `rows_attention`. Idempotent; kept on the model, so cores share it."""
     runner = getattr(model, "_phoenix_runner", None)
     if lean and LeanRunner.supports(model):
         if runner is None or runner.cos.shape[0] < limit:

@@ -1,21 +1,12 @@
-"""Sampling with speculation, lossless in distribution; and the target's logprobs. Pure torch.
+"""Speculative sampling, lossless in distribution, and the target's logprobs. Pure torch.
 
-A request's `Sampling` (temperature, top_p, top_k, seed, logprobs) shapes both models'
-distributions the same way (`probabilities`: temperature, then top-k, then top-p, as vLLM
-does). Temperature 0 is greedy: the step loop takes the target's argmax, token for token the
-path it always took; nothing here runs for it.
-
-Speculative sampling (Leviathan et al. 2023; Chen et al. 2023), one row's round (`verify`): the
-proposer offered guesses d1..dk, drawn from its distributions q_i (the draft model's, processed;
-for prompt lookup a point mass on its guess), and the target's pass gave p_1..p_(k+1). Guess d_i
-is accepted with probability min(1, p_i(d_i) / q_i(d_i)); the first rejected one is replaced by a
-draw from the normalised max(0, p_i - q_i), and if all k are accepted a bonus token is drawn from
-p_(k+1). Each committed token is then distributed exactly as the target's own sample at its
-position, whatever the proposer (a point mass included: a guess is accepted with probability
-p_i(d_i), and a rejection draws from p_i without d_i).
-
-Every draw of a row uses that row's own `torch.Generator`, seeded from `Sampling.seed` when the
-request gave one: the same request on the same engine and arm gives the same output.
+`probabilities` applies temperature, then top-k, then top-p (as vLLM) to both models alike.
+Temperature 0 is greedy and never comes here. `verify` (Leviathan et al.; Chen et al. 2023):
+guesses d_1..d_k were drawn from q_i (a point mass for prompt lookup); the target gave
+p_1..p_(k+1). d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i)); the first rejection
+is replaced by a draw from normalised max(0, p_i - q_i); all accepted: a bonus from p_(k+1). Each
+committed token is distributed exactly as the target's own sample. Each row draws with its own
+`torch.Generator` (seeded by `Sampling.seed`, so a seeded request is reproducible).
 """
 
 from __future__ import annotations
@@ -67,16 +58,13 @@ GREEDY = Sampling()
 
 
 def greedy_ids(scores: torch.Tensor) -> torch.Tensor:
-    """The best id per row of `scores` [..., V], taken in float32: the same ids (bf16 widens
-    exactly; the first maximum wins in both), and torch's CPU argmax is faster in float32
-    than in bf16 (docs/measurements.md)."""
+    """Argmax over the last axis in float32: same ids as bf16, faster on CPU (measurements.md)."""
     return scores.float().argmax(-1)
 
 
 def probabilities(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """The distribution a sampled request draws from, per row of `logits` ([..., V]): divided
-    by the temperature, cut to the top_k tokens, then to the smallest set whose mass reaches
-    top_p (the most likely token always stays). float32."""
+    """float32 distribution per row of `logits` [..., V]: temperature, top_k, then the smallest
+    set reaching top_p (the most likely token always stays)."""
     x = logits.float() / s.temperature
     if 0 < s.top_k < x.shape[-1]:
         kth = torch.topk(x, s.top_k, dim=-1).values[..., -1:]
@@ -92,8 +80,7 @@ def probabilities(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
 
 
 def probabilities_of(logits: Sequence[torch.Tensor], samplings: Sequence[Sampling]) -> list:
-    """`probabilities` for many rows at once ([n_i, V] each): rows that sample alike are
-    processed in one call (one sort for all of them where top_p cuts)."""
+    """`probabilities` for many rows ([n_i, V] each), alike samplings in one call."""
     out: list = [None] * len(logits)
     groups: dict[tuple, list[int]] = {}
     for i, s in enumerate(samplings):
@@ -108,9 +95,8 @@ def probabilities_of(logits: Sequence[torch.Tensor], samplings: Sequence[Samplin
 
 
 def draw(probs: torch.Tensor, g: torch.Generator | None) -> int:
-    """One token from a distribution ([V], not necessarily normalised), by its inverse CDF: a
-    tenth of `torch.multinomial`'s time on a 49K vocabulary. A token of probability 0 is never
-    drawn (its CDF step is empty)."""
+    """One token from unnormalised `probs` [V] by inverse CDF (faster than multinomial);
+    probability-0 tokens are never drawn."""
     cdf = probs.float().cumsum(0)
     u = torch.rand((), generator=g)
     i = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
@@ -120,15 +106,10 @@ def draw(probs: torch.Tensor, g: torch.Generator | None) -> int:
 
 
 def verify(
-    drafts: Sequence[int],
-    q: torch.Tensor | None,
-    p: torch.Tensor,
-    g: torch.Generator | None,
+    drafts: Sequence[int], q: torch.Tensor | None, p: torch.Tensor, g: torch.Generator | None
 ) -> tuple[int, int]:
-    """One row's speculative-sampling round (module docstring). `drafts`: k guesses; `q`: the
-    proposer's distributions they were drawn from ([k, V]), None for point masses (prompt
-    lookup); `p`: the target's ([k + 1, V], processed). Returns (accepted m, the next token: the
-    residual draw at m, or the bonus from p[k])."""
+    """One row's round (module docstring): q [k, V] or None (point masses), p [k + 1, V].
+    Returns (accepted m, next token: the residual draw at m, or the bonus from p[k])."""
     for i, d in enumerate(drafts):
         pd = float(p[i, d])
         qd = 1.0 if q is None else float(q[i, d])
@@ -150,9 +131,8 @@ def verify(
 def top_logprobs(
     logits: torch.Tensor, chosen: Sequence[int], n: int
 ) -> list[tuple[float, list[tuple[int, float]]]]:
-    """The target's raw log-probabilities (before temperature or cuts, as vLLM reports them) of
-    each chosen token, with the `n` most likely tokens at its position: `logits` [len(chosen),
-    V]. Returns [(logprob, [(token, logprob), ...n]), ...]."""
+    """Raw logprobs (before temperature or cuts, as vLLM) of each chosen token and the top `n`:
+    logits [len(chosen), V] -> [(logprob, [(token, logprob), ...n]), ...]."""
     if not len(chosen):
         return []
     lp = torch.log_softmax(logits.float(), dim=-1)
@@ -168,8 +148,7 @@ def top_logprobs(
 
 
 def chi_square(a: Sequence, b: Sequence) -> tuple[float, float]:
-    """Two-sample chi-square test of homogeneity on categorical samples (any hashable values):
-    (statistic, p-value). Categories whose expected count is below 5 are pooled into one."""
+    """Two-sample chi-square homogeneity test -> (statistic, p); expected counts < 5 pooled."""
     cats = sorted(set(a) | set(b), key=repr)
     ca = dict.fromkeys(cats, 0)
     cb = dict(ca)

@@ -1,8 +1,5 @@
-"""The draft model ("draft:K"): a same-tokenizer small LM guesses greedily (or draws, for a
-sampled row), its rows stepping together, one batched pass per draft position; a row drops out
-once it has its k guesses. Its KV cache (`rows.RowCache`, one row per request) holds a prefix
-of each row's sequence: the first pass of a step catches each row up on what was committed
-since its last turn, and a rejected guess is cropped like the target's."""
+"""The draft model ("draft:K"): a same-tokenizer LM, one batched pass per draft position. Its
+`RowCache` holds a prefix of each row's sequence; a step's first pass catches rows up."""
 
 from __future__ import annotations
 
@@ -18,10 +15,8 @@ from . import Drafts, full_distribution, steady
 
 
 class Drafter:
-    """A draft model and, with `token_ids`, a pruned head: only those ids are scored (a slice
-    of its output head, made here; the model itself is not changed, so it may be shared or be
-    the target). A token outside the subset is never guessed; verification always uses the
-    full vocabulary."""
+    """A draft model and, with `token_ids`, a pruned head scoring only those ids (a copied slice;
+    the model is unchanged, so it may be shared). Verification uses the full vocabulary."""
 
     def __init__(self, model, token_ids: Sequence[int] | None = None):
         self.model = model
@@ -44,8 +39,7 @@ class Drafter:
 
 
 class DraftModelProposer:
-    """`propose.Proposer` over one `Drafter`, for at most `rows` rows of `limit` positions.
-    `cost` (a `cost.StepCost`) times each steady pass against the rows it drafted for."""
+    """`Proposer` over a `Drafter` (`rows` rows, `limit` positions); `cost` times steady passes."""
 
     taps: tuple[int, ...] = ()
 
@@ -58,8 +52,7 @@ class DraftModelProposer:
         self._by_slot: dict[int, object] = {}
 
     def adopt(self, rows: list) -> None:
-        """Take over rows that ran on another draft: each gets an empty cache row here and
-        catches up on its whole sequence at its next proposal."""
+        """Take over rows from another draft (empty cache rows; they catch up on next proposal)."""
         for r in rows:
             r.dslot = self.cache.alloc()
             self._by_slot[r.dslot] = r
@@ -84,8 +77,7 @@ class DraftModelProposer:
         row.dslot = None
 
     def propose(self, rows: list) -> Drafts:
-        """One batched pass per draft position, each over the rows still short of their own
-        k_eff guesses; each pass's time is split equally among its rows."""
+        """One pass per position over rows short of k_eff; each pass's time split equally."""
         order = sorted(range(len(rows)), key=lambda i: rows[i].dslot)  # the cache as a view
         tokens: list[list[int]] = [[] for _ in rows]
         qs: list[list[torch.Tensor]] = [[] for _ in rows]
@@ -104,8 +96,7 @@ class DraftModelProposer:
         return Drafts(tokens, qs, seconds)
 
     def _pass(self, active: list, feeds: list, qs: list, index: list[int], step: int):
-        """One draft pass over `active` rows: their picks, the pass's seconds, and the seconds
-        each sampled row's draw took (a sampled row's distribution goes to `qs`)."""
+        """One pass: (picks, seconds, each sampled row's draw seconds); sampled q's go to `qs`."""
         d = self.drafter
         t0 = time.perf_counter()
         scores = draft_scores(d.model, self.cache, [r.dslot for r in active], feeds, d.head)

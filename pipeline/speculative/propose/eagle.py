@@ -1,8 +1,5 @@
-"""The EAGLE-3 head ("eagle:K"): guesses from the target's hidden states, which every target
-pass returns for its rows (`taps`: the head's layers). Each row reads the states of what it
-committed since its last turn, then all rows draft their k_eff tokens together, one head pass
-per position (`Eagle3Head.draft_many`), greedy or drawn (a sampled row keeps each guess's
-distribution, over the target's vocabulary, for verify)."""
+"""The EAGLE-3 head ("eagle:K"): rows read the target states (`taps`) committed since their last
+turn, then draft together (`Eagle3Head.draft_many`)."""
 
 from __future__ import annotations
 
@@ -16,10 +13,7 @@ from . import Drafts, full_distribution, steady
 
 
 class EagleProposer:
-    """`propose.Proposer` over one `eagle3.Eagle3Head`. `cost` (a `cost.StepCost`) times each
-    head pass against its rows: the rows' reads of their states are one pass over them all,
-    then each shared pass; a catch-up read (a first turn, a row the gate held back) is the
-    row's own, not a guess's price, and is left out."""
+    """`Proposer` over an `Eagle3Head`; `cost` times head passes (catch-up reads left out)."""
 
     def __init__(self, head, vocab: int, cost):
         self.head = head
@@ -40,8 +34,7 @@ class EagleProposer:
         row.hcache, row.aux_new = None, []
 
     def propose(self, rows: list) -> Drafts:
-        """Each row's guesses; a row with no target state yet (a one-token prompt before its
-        first step) guesses nothing. The time is split equally among the rows that drafted."""
+        """Guesses per row (none before its first target state); time split among drafting rows."""
         tokens: list[list[int]] = [[] for _ in rows]
         qs: list[list[torch.Tensor]] = [[] for _ in rows]
         seconds = [0.0] * len(rows)
@@ -69,8 +62,7 @@ class EagleProposer:
         return Drafts(tokens, qs, seconds)
 
     def _chooser(self, row, qs: list):
-        """How a row's guess is picked from the head's scores: greedy (None), or drawn with the
-        row's generator, its distribution kept in `qs`."""
+        """None (greedy), or a draw with the row's generator that keeps its q in `qs`."""
         if row.sampling.greedy:
             return None
         ids = self.head.target_ids

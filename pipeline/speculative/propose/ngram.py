@@ -1,6 +1,4 @@
-"""Prompt lookup ("ngram:K"): the tokens that followed the latest earlier occurrence of the
-sequence's last n tokens (n = max_n..1). No model pass, no cache to roll back; its time is
-part of the step's."""
+"""Prompt lookup ("ngram:K"): no model pass, no cache; its time is part of the step's."""
 
 from __future__ import annotations
 
@@ -8,10 +6,7 @@ from . import Drafts
 
 
 class NgramIndex:
-    """Prompt lookup over one growing sequence. For every n-gram (n = 1..max_n) that has a
-    token after it, the position of that token in its latest occurrence; `propose` looks up
-    the sequence's last n tokens, longest n first. Updated incrementally: a step costs
-    O(new tokens), not O(sequence)."""
+    """Latest follower position per n-gram (n <= max_n) of a growing sequence; O(new) a step."""
 
     def __init__(self, max_n: int = 3):
         self.max_n = max_n
@@ -25,8 +20,7 @@ class NgramIndex:
         self.indexed = max(self.indexed, len(seq))
 
     def propose(self, seq: list[int], k: int) -> list[int]:
-        """Up to k tokens after the latest earlier occurrence of seq's last n tokens (n from
-        max_n down to 1); [] when none of them occurred before."""
+        """Up to k tokens after the latest earlier match of seq's last n tokens, longest n first."""
         self._extend(seq)
         for n in range(min(self.max_n, len(seq) - 1), 0, -1):
             p = self.follower.get(tuple(seq[-n:]))
@@ -36,8 +30,7 @@ class NgramIndex:
 
 
 class NgramProposer:
-    """Each row's own `NgramIndex` over its committed tokens (greedy guesses: a sampled row
-    verifies them as a point-mass proposal, `sampling.verify` with q None)."""
+    """A `NgramIndex` per row; guesses are point masses (q None) for sampled rows."""
 
     taps: tuple[int, ...] = ()
 
