@@ -149,6 +149,30 @@ def test_a_failing_step_fails_its_rows_and_the_loop_goes_on(engine, monkeypatch)
     assert res.token_ids == reference(eng, ids, 5).token_ids
 
 
+def test_a_failing_prefill_releases_its_joiners_and_raises_its_own_error(engine, monkeypatch):
+    """A prefill that fails frees every joiner's slots, the draft rows' too (they had none in
+    the draft's cache yet), and the batch serves the next rows exactly."""
+    from pipeline.speculative import batch as batch_mod
+
+    tok, eng = engine
+    ids = user_prompt_ids(tok, PROMPTS[0])
+    b = RowBatch(eng, max_rows=2)
+    real = batch_mod.prefill
+
+    def broken(*a, **k):
+        raise RuntimeError("injected prefill failure")
+
+    monkeypatch.setattr(batch_mod, "prefill", broken)
+    with pytest.raises(RuntimeError, match="injected prefill"):
+        b.join([(0, ids, 6, parse_arm("draft:2")), (1, ids, 6, parse_arm("eagle:1"))])
+    assert b.rows == [] and b._cache().used == 0
+    monkeypatch.setattr(batch_mod, "prefill", real)
+    rows = b.join([(0, ids, 6, parse_arm("draft:2")), (1, ids, 6, parse_arm("0"))])
+    while b.rows:
+        b.step()
+    assert all(r.out == reference(eng, ids, 6).token_ids for r in rows)
+
+
 def test_a_loop_not_started_runs_on_the_callers_thread_until_started(engine):
     """One thread runs the models (`serving.scheduler`): made with `start=False`, the loop has
     no thread; its calls and, through `drain`, its steps run on the caller's thread, exactly,

@@ -68,6 +68,8 @@ class DraftModelProposer:
         self.cache.crop(row.dslot, length)
 
     def leave(self, row) -> None:
+        if row.dslot is None:  # its join failed before it had a cache row here
+            return
         del self._by_slot[row.dslot]
         moved = self.cache.release(row.dslot)
         if moved is not None:
