@@ -48,7 +48,7 @@ from pipeline.workspace import Workspace, read_jsonl
 
 def training_rows(cfg, ws: Workspace, tok, n: int | None, extra: int) -> list[dict]:
     rows = load_all_answers(ws.answers_file)
-    main = [r for (_, j), r in rows.items() if j == 0][:n]
+    main = [r for (_, _, j), r in rows.items() if j == 0][:n]
     tasks = {r["task_id"] for r in main}
     answers = main + [r for (t, j), r in rows.items() if 1 <= j <= extra and t in tasks]
     built, _ = distillation.build_examples(

@@ -65,6 +65,12 @@ class DataConfig(Section):
     seed: int = 42
     train_size: int = Field(500, ge=1)
     test_size: int = Field(50, ge=1)
+    max_context: int = Field(
+        2048,
+        ge=16,
+        description="distill: tokens a conversation may fill (history + teacher.max_tokens); "
+        "later turns are dropped with a warning",
+    )
 
 
 class TeacherConfig(Section):
@@ -98,6 +104,11 @@ class DistillConfig(Section):
     )
     sample_temperature: float = Field(
         0.6, gt=0, le=2, description="The extra samples' temperature."
+    )
+    turns: Literal["all", "last"] = Field(
+        "all",
+        description="Conversations: answer every user turn with the teacher's own earlier answers "
+        "in the history (all), or only the last, earlier assistant turns kept as given (last).",
     )
 
 
@@ -145,6 +156,9 @@ class TrainConfig(Section):
     head_epochs: float = Field(8.0, gt=0, description="models.head=distilled: the head's epochs.")
     head_learning_rate: float = Field(
         1e-3, gt=0, description="models.head=distilled: the head's learning rate."
+    )
+    include_reasoning: bool = Field(
+        False, description="Train on a teacher's reasoning_content too (as <think>...</think>)."
     )
     on_policy_ratio: float = Field(
         0.5, ge=0, le=1, description="on_policy: share of batches the draft writes itself."

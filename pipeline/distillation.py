@@ -319,37 +319,89 @@ def build_examples(
     template_kwargs: dict,
     max_length: int,
     logprobs_width: int | None = None,
+    include_reasoning: bool = False,
 ) -> tuple[list[dict], dict[int, tuple]]:
-    """Prompt + completion rows with a completion mask over exactly the teacher's tokens, plus
-    end-of-turn only when it stopped by itself. With `logprobs_width`, the tokens are those its
-    stored logprobs name, and the second result maps row -> (ids, logp) per answer token (an
-    appended end-of-turn is a plain label)."""
+    """Training rows: the prompt as the server renders it, then the teacher's answer, the
+    completion mask over exactly the teacher's tokens (plus end-of-turn when it stopped by
+    itself). A conversation's turns (answers sharing task_id and sample, in turn order) share
+    one row while each turn's rendered history extends the row so far (the chat template's own
+    output: user and system tokens weigh 0, every answer's 1); where the template renders an
+    earlier turn otherwise, the turn starts a row of its own. With `logprobs_width`, the answer
+    tokens are those its stored logprobs name, and the second result maps row -> (ids, logp)
+    per answer token (an appended end-of-turn is a plain label)."""
     eos = tokenizer.eos_token_id
     id_map = token_id_map(tokenizer) if logprobs_width else None
     rows, sparse = [], {}
-    for a in answers:
-        p_ids = a.get("prompt_token_ids") or models.user_prompt_ids(
-            tokenizer, a["prompt"], template_kwargs
-        )  # captured traffic carries its rendered prompt
-        c_ids = a.get("completion_token_ids")
-        tops = None
-        if logprobs_width:
-            c_ids, tops = _logprob_targets(a, tokenizer, id_map)
-        if c_ids is None:
-            c_ids = tokenizer(a["completion"], add_special_tokens=False)["input_ids"]
-        c_ids = list(c_ids)
-        # vLLM's token_ids end with the end-of-turn token, Phoenix's teacher's do not: one each.
-        stop = [eos] if a.get("finish_reason") == "stop" and c_ids[-1:] != [eos] else []
-        c_ids += stop
-        ids = (p_ids + c_ids)[:max_length]
-        mask = ([0] * len(p_ids) + [1] * len(c_ids))[:max_length]
+
+    def emit(ids: list[int], mask: list[int], tops: list | None) -> None:
+        ids, mask = ids[:max_length], mask[:max_length]
         if sum(mask) == 0:
-            continue  # prompt alone fills max_length: nothing to learn from
+            return  # the prompt alone fills max_length: nothing to learn from
         if tops is not None:
-            tops = (tops + [[[eos, 0.0]] for _ in stop])[: sum(mask)]
-            sparse[len(rows)] = stack_sparse(tops, logprobs_width)
+            sparse[len(rows)] = stack_sparse(tops[: sum(mask)], logprobs_width)
         rows.append({"input_ids": ids, "completion_mask": mask, "row": len(rows)})
+
+    for turns in _conversations(answers):
+        ids: list[int] = []
+        mask: list[int] = []
+        tops: list | None = [] if logprobs_width else None
+        for a in turns:
+            p_ids = prompt_ids(a, tokenizer, template_kwargs)
+            if not ids or p_ids[: len(ids)] != ids:
+                if ids:
+                    emit(ids, mask, tops)
+                ids, mask, tops = [], [], [] if logprobs_width else None
+            mask += [0] * (len(p_ids) - len(ids))
+            ids = list(p_ids)
+            c_ids, c_tops = answer_ids(a, tokenizer, id_map, include_reasoning)
+            # vLLM's token_ids end with the end-of-turn token, Phoenix's teacher's do not: one each.
+            stop = [eos] if a.get("finish_reason") == "stop" and c_ids[-1:] != [eos] else []
+            ids += c_ids + stop
+            mask += [1] * (len(c_ids) + len(stop))
+            if tops is not None:
+                tops += c_tops + [[[eos, 0.0]] for _ in stop]
+        emit(ids, mask, tops)
     return rows, sparse
+
+
+def _conversations(answers: list[dict]) -> list[list[dict]]:
+    """Answers grouped by (task_id, sample) in first-seen order, each group by turn."""
+    groups: dict[tuple, list[dict]] = {}
+    for a in answers:
+        groups.setdefault((a.get("task_id"), a.get("sample", 0)), []).append(a)
+    return [sorted(g, key=lambda a: a.get("turn", 0)) for g in groups.values()]
+
+
+def prompt_ids(a: dict, tokenizer, template_kwargs: dict) -> list[int]:
+    """What the server saw for this answer: captured traffic carries its rendered prompt; a
+    conversation's turn its history; an MBPP answer its one user message."""
+    if a.get("prompt_token_ids"):
+        return list(a["prompt_token_ids"])
+    messages = a.get("messages") or [{"role": "user", "content": a["prompt"]}]
+    return models.chat_prompt_ids(tokenizer, messages, template_kwargs)
+
+
+def answer_ids(
+    a: dict, tokenizer, id_map: dict | None, include_reasoning: bool
+) -> tuple[list[int], list]:
+    """The answer's tokens (the teacher's own ids where it sent them) and, with `id_map`, its
+    top-N per token. A teacher's reasoning (`reasoning`) is trained on only with
+    `include_reasoning`, as `<think>` ... `</think>` before the answer (Qwen3's form); the
+    teacher's ids then cover both, so the text is tokenized instead."""
+    reasoning = a.get("reasoning")
+    if id_map is not None:
+        if reasoning:
+            raise InputError(
+                f"answer task_id {a['task_id']} carries the teacher's reasoning, whose stored "
+                "logprobs do not cover it: use train.objective=sft, or a teacher without it"
+            )
+        return _logprob_targets(a, tokenizer, id_map)
+    if reasoning and include_reasoning:
+        text = f"<think>\n{reasoning}\n</think>\n\n{a['completion']}"
+        return tokenizer(text, add_special_tokens=False)["input_ids"], []
+    if a.get("completion_token_ids") is not None and not reasoning:
+        return list(a["completion_token_ids"]), []
+    return tokenizer(a["completion"], add_special_tokens=False)["input_ids"], []
 
 
 def _logprob_targets(a: dict, tokenizer, id_map: dict[str, int]) -> tuple[list[int], list[list]]:

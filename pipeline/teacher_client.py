@@ -70,6 +70,7 @@ class Answer:
     token_ids: list[int] | None = None
     # With logprobs asked for: per answer token [token, logprob, [[token, logprob], ...top-N]].
     logprobs: list[list] | None = None
+    reasoning: str | None = None  # a reasoning model's `reasoning_content`, apart from the answer
 
 
 class TeacherClient:
@@ -209,8 +210,12 @@ class TeacherClient:
         try:
             data = r.json()
             choice = data["choices"][0]
-            content = choice["message"]["content"]
-            if not isinstance(content, str):
+            message = choice["message"]
+            content = message["content"]
+            reasoning = message.get("reasoning_content") or message.get("reasoning")
+            if content is None and isinstance(reasoning, str):  # cut off while still reasoning
+                content = ""
+            if not isinstance(content, str) or not isinstance(reasoning, str | None):
                 raise TypeError("content is not a string")
             usage = data.get("usage") or {}
             # The answer's exact token ids: Phoenix's `phoenix.token_ids`, vLLM's `token_ids`.
@@ -234,6 +239,7 @@ class TeacherClient:
                 latency_s=latency,
                 token_ids=ids,
                 logprobs=logprobs,
+                reasoning=reasoning or None,
             )
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise _Malformed(f"{type(exc).__name__}: {exc}") from None

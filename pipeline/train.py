@@ -23,7 +23,14 @@ from . import distillation, models, specs
 from .config import Config
 from .errors import InputError
 from .teacher import load_all_answers
-from .workspace import Workspace, atomic_write_json, atomic_write_jsonl, make_temp_dir, sha256_file
+from .workspace import (
+    Workspace,
+    atomic_write_json,
+    atomic_write_jsonl,
+    make_temp_dir,
+    read_jsonl,
+    sha256_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +56,18 @@ def _process_state():
 
 
 def training_answers(cfg: Config, ws: Workspace) -> list[dict]:
-    """Each prompt's main answer, then its extra samples 1..`distill.extra_samples`."""
+    """Each prompt's main answers (every answered turn), then its extra samples
+    1..`distill.extra_samples`; only prompts on the split's training side (a rerun of split on
+    grown data never trains on what is now held out)."""
     rows = load_all_answers(ws.answers_file)
-    answers = [r for (_, j), r in rows.items() if j == 0]  # one row per task_id
+    if ws.train_file.exists():
+        side = {int(r["task_id"]) for r in read_jsonl(ws.train_file)}
+        rows = {k: r for k, r in rows.items() if k[0] in side}
+    answers = [r for (_, _, j), r in rows.items() if j == 0]
     if not answers:
-        raise InputError(f"{ws.answers_file} has no answers")
+        raise InputError(f"{ws.answers_file} has no answers to training-side prompts")
     n = cfg.distill.extra_samples
-    return answers + [r for (_, j), r in rows.items() if 1 <= j <= n]
+    return answers + [r for (_, _, j), r in rows.items() if 1 <= j <= n]
 
 
 def run(cfg: Config, ws: Workspace, force: bool = False) -> dict[str, Any]:
@@ -170,7 +182,7 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
     distillation.add_compact_head(model)  # before PEFT wraps it
     width = t.top_logprobs if source == "teacher" else None
     rows, sparse = distillation.build_examples(
-        answers, tok, cfg.template_kwargs(), t.max_length, width
+        answers, tok, cfg.template_kwargs(), t.max_length, width, t.include_reasoning
     )
     if not rows:
         raise InputError("no usable training examples: every prompt exceeds train.max_length")
@@ -330,7 +342,9 @@ def _train_eagle3(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict)
 
     t = cfg.train
     ref, tok, target = models.load_target_for_head(cfg, ws)
-    rows, _ = distillation.build_examples(answers, tok, cfg.template_kwargs(), t.max_length)
+    rows, _ = distillation.build_examples(
+        answers, tok, cfg.template_kwargs(), t.max_length, include_reasoning=t.include_reasoning
+    )
     if not rows:
         raise InputError("no usable training examples: every prompt exceeds train.max_length")
     tmp = make_temp_dir(ws.adapter, ".model.")

@@ -32,7 +32,8 @@ class FakeOpenAI:
     models_empty: first N /v1/models calls list no model; auth: required bearer key
     chat_429: first N chat calls answer 429 with Retry-After; drop: first N chat calls close the
     connection without answering; malformed: first N chat calls return a non-JSON 200;
-    bad_request_for: prompts (substring) that always get a 400; delay_s: per chat answer.
+    bad_request_for: prompts (substring) that always get a 400; delay_s: per chat answer;
+    reasoning: answers carry `reasoning_content` (a reasoning model behind a reasoning parser).
     logprobs (answered only when a request asks for them): "chars": one token per character of
     the answer, with its top_logprobs (the character first, then "x", "y", ... as needed);
     "none": no logprobs at all; "wrong": tokens that do not spell the answer.
@@ -52,6 +53,7 @@ class FakeOpenAI:
             "bad_request_for": None,
             "delay_s": 0.0,
             "logprobs": "chars",
+            "reasoning": False,
             **knobs,
         }
         self.calls = {"health": 0, "models": 0, "chat": 0}
@@ -150,6 +152,8 @@ class FakeOpenAI:
                     "message": {"role": "assistant", "content": text},
                     "finish_reason": finish,
                 }
+                if k["reasoning"]:
+                    choice["message"]["reasoning_content"] = "Think: " + prompt[:12]
                 if body.get("logprobs") and k["logprobs"] != "none":
                     spelt = text if k["logprobs"] == "chars" else text[::-1]
                     choice["logprobs"] = {

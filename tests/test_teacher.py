@@ -236,15 +236,16 @@ def test_the_local_teacher_gets_the_context_its_longest_prompt_needs(distilled_w
     from pipeline.workspace import Workspace, read_jsonl
 
     ws = Workspace(distilled_ws)
-    prompts = [r["prompt"] for r in read_jsonl(ws.train_file)[:20]]
+    rows = read_jsonl(ws.train_file)[:20]
+    prompts, turns = [r["prompt"] for r in rows], {r["task_id"]: [0] for r in rows}
     cfg = load_config("configs/ci.yaml", ["engine.max_context=64", "engine.compile=auto"])
     tok = models.load_tokenizer(specs.resolve(cfg.models.target, ws.models_cache))
     longest = max(len(models.user_prompt_ids(tok, p, cfg.template_kwargs())) for p in prompts)
     assert longest + cfg.teacher.max_tokens > 64  # the case that failed
-    need = local_context(cfg, ws, prompts)
+    need = local_context(cfg, ws, rows, turns)
     assert need == longest + cfg.teacher.max_tokens
     roomy = load_config("configs/ci.yaml", ["engine.max_context=4096"])
-    assert local_context(roomy, ws, prompts) == 4096  # never below the engine's
+    assert local_context(roomy, ws, rows, turns) == 4096  # never below the engine's
     local = local_teacher_config(cfg, need)
     assert local.engine.max_context == need and local.engine.compile == "false"
     assert local.engine.draft_vocab == 0 and local.traffic.capture is False
@@ -340,7 +341,20 @@ def test_extra_samples_are_asked_once_each_seeded_and_kept_apart(tmp_path, mbpp_
     assert len({b["seed"] for b in sampled}) == 6
     answers = art / "teacher" / "answers.jsonl"
     assert len(load_answers(answers)) == 3
-    assert sorted(j for _, j in load_all_answers(answers)) == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert sorted(j for _, _, j in load_all_answers(answers)) == [
+        0,
+        0,
+        0,
+        1,
+        1,
+        1,
+        2,
+        2,
+        2,
+        3,
+        3,
+        3,
+    ]
     summary = json.loads((art / "teacher" / "summary.json").read_text())
     assert summary["answers"] == 3 and summary["extra_samples"] == 9
     from pipeline.config import load_config
