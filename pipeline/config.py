@@ -93,7 +93,7 @@ class DataConfig(Section):
     )
     max_context: int = Field(
         2048,
-        ge=1,
+        ge=16,
         description="distill: tokens a conversation may fill (history + teacher.max_tokens); "
         "later turns are dropped with a warning",
     )

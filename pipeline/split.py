@@ -4,8 +4,8 @@
 
 Writes <artifacts>/data/{train,test}.jsonl and manifest.json. Rerunning gives identical bytes.
 
-`data.format` (or inferred, see pipeline/data.py): `mbpp` rows are shuffled by seed and cut, as
-they always were; `prompts`, `chat`, `sharegpt` files and Hub datasets become conversation rows
+`data.format` (or inferred, see pipeline/data.py): `mbpp` rows are shuffled by seed and cut (in
+task-id order first); `prompts`, `chat`, `sharegpt` files and Hub datasets become conversation rows
 (task_id, messages, prompt), duplicates dropped, split by conversation; `traffic` is what the
 server captured (traffic.split_stage, as retrain does).
 """

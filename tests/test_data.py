@@ -141,3 +141,33 @@ def test_mbpp_chat_builds_a_deterministic_multi_turn_chat_file(tmp_path, mbpp_pa
     assert again.read_bytes() == out.read_bytes()
     picks = {tuple(m["content"] for m in r["messages"][2:]) for r in rows}
     assert len(picks) > 5  # the follow-ups vary across tasks
+
+
+def test_hub_dataset_columns_map_onto_a_format(monkeypatch):
+    import datasets
+
+    records = [
+        {"question": "q1", "id": 1},
+        {"question": "q2", "id": 2},
+        {"question": "q1", "id": 3},
+    ]
+    asked = []
+
+    def fake_load(source, split):
+        asked.append((source, split))
+        return records
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    loaded = data.load_hub("team/asks", "test", {"prompt": "question"}, None)
+    assert asked == [("team/asks", "test")] and loaded.format == "prompts"
+    assert [r["messages"] for r in loaded.rows] == [[user("q1")], [user("q2")]]
+    assert loaded.duplicates == 1
+    with pytest.raises(InputError, match="data.columns.messages: no column 'dialog'"):
+        data.load_hub("team/asks", "test", {"messages": "dialog"}, None)
+
+    def unreachable(source, split):
+        raise ConnectionError("Couldn't reach the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    with pytest.raises(InputError, match="could not load the Hub dataset 'team/asks'.*local JSONL"):
+        data.load_hub("team/asks", "train", {}, "chat")
