@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from .config_serving import (
     BanditConfig,
@@ -58,19 +58,52 @@ class ModelsConfig(Section):
 class DataConfig(Section):
     source: str = Field(
         "../shared/data/mbpp.jsonl",
-        description="MBPP JSONL path (relative: to the working directory) or Hub dataset id; "
-        "PHOENIX_MBPP wins.",
+        description="A JSONL file (MBPP, prompts, chat or ShareGPT; relative: to the working "
+        "directory) or a Hub dataset id. PHOENIX_MBPP wins for MBPP: with format mbpp, or auto "
+        "and this default source.",
     )
-    hub_config: str = "full"
+    format: Literal["auto", "mbpp", "prompts", "chat", "sharegpt", "traffic"] = Field(
+        "auto",
+        description="auto: mbpp if the file's first row has task_id, text and test_list, else "
+        "the shape of its first line's keys (prompt, messages, conversations); a Hub id is MBPP "
+        "unless data.columns is set. traffic: what the server captured.",
+    )
+    hub_config: str = Field("full", description="MBPP's Hub config.")
+    hub_split: str = Field("train", description="The split of a Hub dataset other than MBPP.")
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="A Hub dataset's columns by the keys a format reads, e.g. "
+        "{prompt: question} or {messages: dialog}.",
+    )
+    skip_invalid: bool = Field(
+        False,
+        description="Skip (and count) conversations with an unknown role, no user turn or an "
+        "empty content instead of failing.",
+    )
     seed: int = 42
-    train_size: int = Field(500, ge=1)
-    test_size: int = Field(50, ge=1)
+    train_size: int | float = Field(
+        500,
+        gt=0,
+        description="Training rows: a number, or (not MBPP) a fraction in (0, 1) of the unique rows.",
+    )
+    test_size: int | float = Field(
+        50,
+        gt=0,
+        description="Held-out rows: a number, or (not MBPP) a fraction in (0, 1) of the unique rows.",
+    )
     max_context: int = Field(
         2048,
         ge=16,
         description="distill: tokens a conversation may fill (history + teacher.max_tokens); "
         "later turns are dropped with a warning",
     )
+
+    @field_validator("train_size", "test_size")
+    @classmethod
+    def _count_or_fraction(cls, value: int | float) -> int | float:
+        if isinstance(value, float) and not value < 1:
+            raise ValueError("a whole number of rows, or a fraction in (0, 1)")
+        return value
 
 
 class TeacherConfig(Section):
