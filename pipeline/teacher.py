@@ -25,6 +25,7 @@ from typing import Any
 from tqdm import tqdm
 
 from .config import Config, dump_config
+from .data import messages_of
 from .errors import InputError, PhoenixError
 from .subprocs import PREEXEC, free_port, stop
 from .teacher_client import Answer, RetryBudget, TeacherClient
@@ -124,10 +125,6 @@ def local_teacher(cfg: Config, ws: Workspace, context: int | None = None) -> Ite
 
 
 # --- the stage ---------------------------------------------------------------------------------
-def messages_of(row: dict) -> list[dict]:
-    return row.get("messages") or [{"role": "user", "content": row["prompt"]}]
-
-
 def answered_turns(messages: list[dict], turns: str) -> list[int]:
     """The user turns (numbered from 0) the teacher answers: every one, or the last."""
     n = sum(m["role"] == "user" for m in messages)
