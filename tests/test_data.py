@@ -143,31 +143,23 @@ def test_mbpp_chat_builds_a_deterministic_multi_turn_chat_file(tmp_path, mbpp_pa
     assert len(picks) > 5  # the follow-ups vary across tasks
 
 
-def test_hub_dataset_columns_map_onto_a_format(monkeypatch):
-    import datasets
-
+def test_hub_dataset_columns_map_onto_a_format(tmp_path):
+    """The `datasets` loader itself, on a dataset folder laid out as on the Hub (no network)."""
+    folder = tmp_path / "team-asks"
+    folder.mkdir()
     records = [
         {"question": "q1", "id": 1},
         {"question": "q2", "id": 2},
         {"question": "q1", "id": 3},
     ]
-    asked = []
-
-    def fake_load(source, split):
-        asked.append((source, split))
-        return records
-
-    monkeypatch.setattr(datasets, "load_dataset", fake_load)
-    loaded = data.load_hub("team/asks", "test", {"prompt": "question"}, None)
-    assert asked == [("team/asks", "test")] and loaded.format == "prompts"
+    (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    loaded = data.load_hub(str(folder), "test", {"prompt": "question"}, None)
+    assert loaded.format == "prompts"
     assert [r["messages"] for r in loaded.rows] == [[user("q1")], [user("q2")]]
     assert loaded.duplicates == 1
     with pytest.raises(InputError, match="data.columns.messages: no column 'dialog'"):
-        data.load_hub("team/asks", "test", {"messages": "dialog"}, None)
-
-    def unreachable(source, split):
-        raise ConnectionError("Couldn't reach the Hub")
-
-    monkeypatch.setattr(datasets, "load_dataset", unreachable)
-    with pytest.raises(InputError, match="could not load the Hub dataset 'team/asks'.*local JSONL"):
-        data.load_hub("team/asks", "train", {}, "chat")
+        data.load_hub(str(folder), "test", {"messages": "dialog"}, None)
+    with pytest.raises(
+        InputError, match="could not load the Hub dataset .*split train.*local JSONL"
+    ):
+        data.load_hub(str(folder), "train", {}, "chat")  # no such split
