@@ -155,8 +155,8 @@ def multiturn(args, cfg, base: Workspace, out: Path) -> dict:
     atomic_write_jsonl(first / "teacher" / "answers.jsonl",
                        [r for r in answers if r.get("turn", 0) == 0])  # fmt: skip
     heads = {
-        "every turn": train_head(args, cfg, every, args.steps, shaped),
         "first turns": train_head(args, cfg, first, args.steps, shaped),
+        "every turn": train_head(args, cfg, every, args.steps, shaped),
     }
     cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(
         update={"max_context": args.max_length})})  # fmt: skip
@@ -171,8 +171,12 @@ def multiturn(args, cfg, base: Workspace, out: Path) -> dict:
         for c, conv in enumerate(held):
             answers_c: list[str] = []
             for t in range(3):
+                if said and t > len(said[c]):
+                    break
                 msgs = history(conv["messages"], t, said[c] if said else answers_c, "all")
                 ids = models.chat_prompt_ids(tok, msgs, kwargs)
+                if len(ids) + args.answer_tokens > args.max_length:
+                    break  # past the context: this turn and later ones are not measured
                 r = acceptance(loaded, batch, [ids], f"eagle:{args.k}", args.answer_tokens)
                 answers_c.append(tok.decode(r["outputs"][0], skip_special_tokens=True))
                 got = per_turn.setdefault(t, [0, 0])
