@@ -245,23 +245,19 @@ def markdown(results: dict) -> str:
 
 def _header_lines(results: dict) -> list[str]:
     env = results["environment"]
+    first = next(iter(results.get("sets") or {}), "heldout")  # the set the tables measure
+    first = "held-out" if first == "heldout" else f"`{first}`"
     return [
         "# Phoenix benchmark",
         "",
         f"Hardware: {env['hardware']}; device {env['device']}, {env['dtype']}, {env['threads']} threads; "
         f"torch {env['torch']}, transformers {env['transformers']}. Date: {env['date']}.",
-        f"Protocol: {results['protocol']['prompts']} {_first_set(results)} prompts, "
+        f"Protocol: {results['protocol']['prompts']} {first} prompts, "
         f"{_decoding(results)}, batch size 1, max_new_tokens {results['protocol']['max_new_tokens']}, "
         f"{results['protocol']['warmup_requests']} warm-up request(s) per run excluded, the "
         "modes taking turns prompt by prompt. All numbers are from one run on this machine.",
         "",
     ]
-
-
-def _first_set(results: dict) -> str:
-    """The first prompt set, as the header names it (heldout: the split's held-out prompts)."""
-    name = next(iter(results.get("sets") or {}), "heldout")
-    return "held-out" if name == "heldout" else f"`{name}`"
 
 
 def _lossless_lines(results: dict) -> list[str]:
@@ -337,9 +333,10 @@ def _set_lines(sets: dict) -> list[str]:
     and acceptance at each draft position. The tables above are the first set's."""
     if not sets:
         return []
-    names = ", ".join(f"{n} ({s['protocol']['prompts']} prompts)" for n, s in sets.items())
-    lines = ["## Acceptance by prompt set", "", f"Sets: {names}; the tables above are the "
-             f"first set's, {next(iter(sets))}.", ""]  # fmt: skip
+    lines = ["## Acceptance by prompt set", ""]
+    if len(sets) > 1:
+        names = ", ".join(f"{n} ({s['protocol']['prompts']} prompts)" for n, s in sets.items())
+        lines += [f"Sets: {names}; the tables above are the first one's.", ""]
     for name, s in sets.items():
         rows = s["rows"]
         width = max((len(r.get("acceptance_per_position") or []) for r in rows), default=0)
