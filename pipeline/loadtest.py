@@ -1,6 +1,6 @@
 """Measuring any OpenAI-compatible server from the client's side: Phoenix's, vLLM, or another.
 
-    python -m pipeline bench --url URL [--clients 1]        the held-out prompts, one client
+    python -m pipeline bench --url URL [--clients 1]        every bench.sets set, one client
     python -m benchmarks.serving_load                          every mode from 1 to 16 clients
 
 Greedy streamed chat requests of `bench.max_new_tokens`, opted out of traffic capture (held-out
@@ -22,7 +22,7 @@ from typing import Any
 import requests
 from tqdm import tqdm
 
-from . import report
+from . import data, report
 from .config import Config
 from .errors import InputError
 from .workspace import Workspace, atomic_write_json, read_jsonl
@@ -60,13 +60,16 @@ class Endpoint:
             ) from None
 
     def chat(
-        self, model: str, prompt: str, max_tokens: int, extra: dict | None = None,
+        self, model: str, prompt: str | list[dict], max_tokens: int, extra: dict | None = None,
         stream: bool = True,
     ) -> dict:  # fmt: skip
-        """One greedy chat completion -> status, latency_s, ttft_s (streamed only), tokens."""
+        """One greedy chat completion of a user message (or of chat `messages`) -> status,
+        latency_s, ttft_s (streamed only), tokens."""
         body = {
             "model": model,
-            "messages": [{"role": "user", "content": prompt}],
+            "messages": prompt
+            if isinstance(prompt, list)
+            else [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens,
             "temperature": 0,
             **({"stream": True, "stream_options": {"include_usage": True}} if stream else {}),
@@ -114,12 +117,13 @@ class Endpoint:
         return out
 
     def spec_counters(self) -> dict[str, Any] | None:
-        """The server's speculative-decoding counters now (None: it exposes none)."""
+        """The server's speculative-decoding counters now (None: it exposes none, or no
+        /metrics at all: a hosted API's 404 is no exposition)."""
         try:
-            text = self.session.get(self.base + "/metrics", timeout=10).text
+            r = self.session.get(self.base + "/metrics", timeout=10)
         except requests.RequestException:
             return None
-        return spec_counters(text)
+        return spec_counters(r.text) if r.status_code == 200 else None
 
 
 def spec_counters(exposition: str) -> dict[str, Any] | None:
@@ -340,31 +344,54 @@ def _endpoint(cfg: Config, url: str | None) -> Endpoint:
 
 def held_out_prompts(ws: Workspace, n: int | None = None) -> list[str]:
     """The split's held-out prompts (the first `n`); InputError before the split has run."""
+    _split_done(ws)
+    return [r["prompt"] for r in read_jsonl(ws.test_file)][:n]
+
+
+def _split_done(ws: Workspace) -> None:
     if not ws.test_file.exists():
         raise InputError(f"{ws.test_file} is missing: run the split stage first (make split)")
-    return [r["prompt"] for r in read_jsonl(ws.test_file)][:n]
+
+
+def load_sets(cfg: Config, ws: Workspace) -> dict[str, list[dict]]:
+    """`bench.sets` by name -> rows, the first `bench.prompts` of each (the bench's and bench
+    --url's alike); InputError if a set is missing or empty."""
+    if "heldout" in cfg.bench.sets:
+        _split_done(ws)
+    sets = {name: data.load_set(name, ws)[: cfg.bench.prompts] for name in cfg.bench.sets}
+    for name, rows in sets.items():
+        if not rows:
+            raise InputError(f"bench.sets: {name} has no prompts")
+    return sets
 
 
 NO_CAPTURE = {"phoenix": {"capture": False}}  # other servers ignore the field
 
 
 def run_remote(cfg: Config, ws: Workspace, url: str, clients: int = 1) -> dict[str, Any]:
-    """bench --url: the held-out prompts against any server -> <artifacts>/bench/remote.json."""
+    """bench --url: every set of `bench.sets` against any server, each row's request as the
+    bench renders it (`data.bench_messages`) -> <artifacts>/bench/remote.json: the first set's
+    figures at the top level, every set's under "sets"."""
     ep = _endpoint(cfg, url)
     model = ep.model()
-    prompts = held_out_prompts(ws, cfg.bench.prompts)
-    point = sweep_point(
-        ep, model, prompts, clients, cfg.bench.max_new_tokens, NO_CAPTURE, f"bench {ep.base}"
-    )
-    summary = {"url": ep.base, "model": model, "max_new_tokens": cfg.bench.max_new_tokens, **point}
+    points = {}
+    for name, rows in load_sets(cfg, ws).items():
+        prompts = [data.bench_messages(r) for r in rows]
+        point = sweep_point(ep, model, prompts, clients, cfg.bench.max_new_tokens, NO_CAPTURE,
+                            f"bench {name} {ep.base}")  # fmt: skip
+        points[name] = {"prompts": len(prompts), **point}
+        acc = point["acceptance"]
+        log.info(
+            "bench --url %s, set %s: %d prompts, %.2f tokens/s, acceptance %s (per position %s)",
+            ep.base,
+            name,
+            len(prompts),
+            point["tokens_per_second"],
+            "n/a (no speculative counters)" if acc is None else f"{acc:.3f}",
+            [round(x, 3) for x in point["per_position"]],
+        )
+    first = {k: v for k, v in points[cfg.bench.sets[0]].items() if k != "prompts"}
+    summary = {"url": ep.base, "model": model, "max_new_tokens": cfg.bench.max_new_tokens, **first}
+    summary["sets"] = points
     atomic_write_json(ws.bench / "remote.json", summary)
-    acc = summary["acceptance"]
-    log.info(
-        "bench --url %s: %d prompts, %.2f tokens/s, acceptance %s (per position %s)",
-        ep.base,
-        len(prompts),
-        summary["tokens_per_second"],
-        "n/a (no speculative counters)" if acc is None else f"{acc:.3f}",
-        [round(x, 3) for x in summary["per_position"]],
-    )
     return summary

@@ -41,6 +41,8 @@ def aggregate(records: list[dict]) -> dict[str, Any]:
         "acceptance_rate": accepted / proposed if proposed else None,
         # Draft tokens accepted per target verification pass (each pass also commits one token).
         "mean_accepted_length": accepted / rounds if proposed and rounds else None,
+        # Tokens each target verification pass commits: 1 + accepted per pass (1: target-only).
+        "tokens_per_target_pass": (rounds + accepted) / rounds if rounds else None,
         "draft_s_per_request": sum(r["draft_s"] for r in records) / n if n else 0.0,
         "verify_s_per_request": sum(r["verify_s"] for r in records) / n if n else 0.0,
     }
@@ -56,6 +58,7 @@ def build_rows(records: list[dict]) -> list[dict]:
     for draft, mode in order:
         recs = [r for r in records if r["draft"] == draft and r["mode"] == mode]
         row = {"draft": draft, "mode": mode, **aggregate(recs), "arm_counts": None}
+        row["acceptance_per_position"] = _per_position([r for r in recs if r["proposed"]])
         if mode.startswith("bandit"):
             row["arm_counts"] = _counts(r["arm"] for r in recs)
         rows.append(row)
@@ -80,17 +83,19 @@ def position_acceptance(records: list[dict]) -> dict[str, list[float]]:
         else:
             label = r["draft"]
         groups.setdefault(label, []).append(r)
-    out = {}
-    for label, recs in groups.items():
-        width = max(len(r["proposed_per_position"]) for r in recs)
-        prop, acc = [0] * width, [0] * width
-        for r in recs:
-            pairs = zip(r["proposed_per_position"], r["accepted_per_position"], strict=True)
-            for i, (p, a) in enumerate(pairs):
-                prop[i] += p
-                acc[i] += a
-        out[label] = [a / p if p else 0.0 for a, p in zip(acc, prop, strict=True)]
-    return out
+    return {label: _per_position(recs) for label, recs in groups.items()}
+
+
+def _per_position(records: list[dict]) -> list[float]:
+    """The share of proposals accepted at each draft position over `records` ([]: none)."""
+    width = max((len(r["proposed_per_position"]) for r in records), default=0)
+    prop, acc = [0] * width, [0] * width
+    for r in records:
+        pairs = zip(r["proposed_per_position"], r["accepted_per_position"], strict=True)
+        for i, (p, a) in enumerate(pairs):
+            prop[i] += p
+            acc[i] += a
+    return [a / p if p else 0.0 for a, p in zip(acc, prop, strict=True)]
 
 
 def bandit_summary(records: list[dict], draft: str, mode: str = "bandit") -> dict[str, Any] | None:
@@ -232,19 +237,23 @@ def markdown(results: dict) -> str:
     if not results["lossless"]:
         lines += ["## Mismatches", ""] + [f"- {m}" for m in results["mismatches"]] + [""]
     lines += _near_tie_lines(results)
-    lines += ["Plots: `tokens_per_second.png`, `bandit_arms.png`, `acceptance_by_position.png`."]
+    lines += _set_lines(results.get("sets") or {})
+    lines += ["Plots: `tokens_per_second.png`, `bandit_arms.png`, `acceptance_by_position.png`"
+              + (", `acceptance_by_set.png`." if results.get("sets") else ".")]  # fmt: skip
     return "\n".join([*lines, ""])
 
 
 def _header_lines(results: dict) -> list[str]:
     env = results["environment"]
+    first = next(iter(results.get("sets") or {}), "heldout")  # the set the tables measure
+    first = "held-out" if first == "heldout" else f"`{first}`"
     return [
         "# Phoenix benchmark",
         "",
         f"Hardware: {env['hardware']}; device {env['device']}, {env['dtype']}, {env['threads']} threads; "
         f"torch {env['torch']}, transformers {env['transformers']}. Date: {env['date']}.",
-        f"Protocol: {results['protocol']['prompts']} held-out MBPP prompts, {_decoding(results)}, "
-        f"batch size 1, max_new_tokens {results['protocol']['max_new_tokens']}, "
+        f"Protocol: {results['protocol']['prompts']} {first} prompts, "
+        f"{_decoding(results)}, batch size 1, max_new_tokens {results['protocol']['max_new_tokens']}, "
         f"{results['protocol']['warmup_requests']} warm-up request(s) per run excluded, the "
         "modes taking turns prompt by prompt. All numbers are from one run on this machine.",
         "",
@@ -319,6 +328,38 @@ def _position_lines(pos: dict) -> list[str]:
     return [*lines, ""]
 
 
+def _set_lines(sets: dict) -> list[str]:
+    """A table per prompt set: per mode tokens/s, speedup, acceptance, tokens per target pass,
+    and acceptance at each draft position. The tables above are the first set's."""
+    if not sets:
+        return []
+    lines = ["## Acceptance by prompt set", ""]
+    if len(sets) > 1:
+        names = ", ".join(f"{n} ({s['protocol']['prompts']} prompts)" for n, s in sets.items())
+        lines += [f"Sets: {names}; the tables above are the first one's.", ""]
+    for name, s in sets.items():
+        rows = s["rows"]
+        width = max((len(r.get("acceptance_per_position") or []) for r in rows), default=0)
+        verdict = "yes" if s["lossless"] else "NO"
+        lines += [
+            f"### {name} ({s['protocol']['prompts']} prompts; lossless: **{verdict}**)",
+            "",
+            "| draft | mode | tokens/s | speedup | acceptance | tokens per target pass |"
+            + "".join(f" pos {i + 1} |" for i in range(width)),
+            "|---|---|---|---|---|---|" + "---|" * width,
+        ]
+        for r in rows:
+            pos = list(r.get("acceptance_per_position") or [])
+            cells = [_fmt(x, pct=True) for x in pos] + ["-"] * (width - len(pos))
+            lines.append(
+                f"| {r['draft']} | {r['mode']} | {_fmt(r['tokens_per_second'])} | "
+                f"{_fmt(r['speedup'])}x | {_fmt(r['acceptance_rate'], pct=True)} | "
+                f"{_fmt(r.get('tokens_per_target_pass'))} |" + "".join(f" {c} |" for c in cells)
+            )
+        lines.append("")
+    return lines
+
+
 def _near_tie_lines(results: dict) -> list[str]:
     ties = results.get("near_ties") or []
     if not ties:
@@ -350,7 +391,33 @@ def write_plots(results: dict, records: list[dict], out: Path) -> list[str]:
     written = [_plot_throughput(plt, results, out)]
     written.append(_plot_bandit(plt, results, records, out))
     written.append(_plot_positions(plt, results.get("position_acceptance") or {}, out))
+    written.append(_plot_sets(plt, results.get("sets") or {}, out))
     return [name for name in written if name]
+
+
+def _plot_sets(plt, sets: dict, out: Path) -> str | None:
+    """Acceptance by arm (a row of results: draft and mode), one bar per prompt set."""
+    arms = list(dict.fromkeys((r["draft"], r["mode"]) for s in sets.values() for r in s["rows"]
+                              if r["acceptance_rate"] is not None))  # fmt: skip
+    if not arms:
+        return None
+    one_draft = len({d for d, _ in arms if d != "none"}) <= 1
+    labels = [m if one_draft or d == "none" else f"{d} {m}" for d, m in arms]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(arms) * len(sets)), 4))
+    width = 0.8 / len(sets)
+    for j, (name, s) in enumerate(sets.items()):
+        rate = {(r["draft"], r["mode"]): r["acceptance_rate"] for r in s["rows"]}
+        vals = [rate.get(a) or 0.0 for a in arms]
+        ax.bar([i + j * width for i in range(len(arms))], vals, width, label=name)
+    ax.set_xticks([i + width * (len(sets) - 1) / 2 for i in range(len(arms))], labels)
+    ax.set_ylabel("share of draft tokens accepted")
+    ax.set_ylim(0, 1)
+    ax.set_title("Acceptance by prompt set and arm")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "acceptance_by_set.png", dpi=110)
+    plt.close(fig)
+    return "acceptance_by_set.png"
 
 
 def _plot_throughput(plt, results: dict, out: Path) -> str:

@@ -510,3 +510,70 @@ def test_the_verdict_says_where_the_bandit_served_as_target_only():
     assert "no bandit row guessed a token here" in lines[1] and "**0.99x**" in lines[1]
     modes["bandit"][4]["guessing_steps_share"] = None  # no counters: not known to be plain
     assert "no bandit row guessed" not in verdict({"modes": modes}, {}, [4])[0]
+
+
+def test_bench_measures_every_prompt_set_and_reports_each(merged_ws, tmp_path, tiny_pair):
+    """bench.sets: the held-out prompts (rendered as today: one user message) and a prompts file,
+    each through the protocol and its own lossless check; results.json keeps the first set's
+    figures at the top and every set's under "sets"; a report table per set and the plot."""
+    from pipeline import bench, models
+    from pipeline.config import load_config
+    from pipeline.telemetry import NullTelemetry
+    from pipeline.workspace import Workspace, read_jsonl
+
+    art = tmp_path / "art"
+    shutil.copytree(merged_ws, art, ignore=shutil.ignore_patterns("bench"))
+    extra = tmp_path / "mine.jsonl"
+    extra.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("def add(a, b):", "Hi")))
+    sets = ["bench.prompts=2", "bench.drafts=[base]", "bench.fixed_arms=[2]",
+            "bench.max_new_tokens=8", "bench.warmup_requests=0", f"bench.sets=[heldout,{extra}]"]  # fmt: skip
+    cfg = load_config("configs/ci.yaml", sets)
+    bench.run(cfg, Workspace(art), NullTelemetry())
+    results = json.loads((art / "bench" / "results.json").read_text())
+    assert list(results["sets"]) == ["heldout", str(extra)] and results["lossless"] is True
+    held, mine = results["sets"]["heldout"], results["sets"][str(extra)]
+    assert results["rows"] == held["rows"] and results["requests"] == held["requests"]
+    assert held["protocol"]["prompts"] == mine["protocol"]["prompts"] == 2
+    for s in (held, mine):
+        modes = [(r["draft"], r["mode"]) for r in s["rows"]]
+        assert modes == [("none", "target"), ("base", "fixed_2"), ("base", "bandit")]
+        fixed = next(r for r in s["rows"] if r["mode"] == "fixed_2")
+        assert len(fixed["acceptance_per_position"]) == 2
+        assert fixed["tokens_per_target_pass"] == 1 + fixed["mean_accepted_length"]
+    # The held-out MBPP rows render to exactly the ids a single user message gives.
+    tok = models.load_tokenizer(tiny_pair[0])
+    rows = read_jsonl(Workspace(art).test_file)[:2]
+    want = [models.user_prompt_ids(tok, r["prompt"], cfg.template_kwargs()) for r in rows]
+    assert bench.prompt_ids(cfg, tok, rows) == want
+    assert [q["prompt_tokens"] for q in held["requests"][:2]] == [len(w) for w in want]
+    report = (art / "bench" / "report.md").read_text()
+    assert "### heldout (2 prompts; lossless: **yes**)" in report
+    assert f"### {extra} (2 prompts; lossless: **yes**)" in report
+    assert "| base | fixed_2 |" in report and "tokens per target pass" in report
+    assert (art / "bench" / "acceptance_by_set.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_url_sends_every_set_as_the_bench_renders_it(tmp_path):
+    """bench --url over bench.sets: each row's request is its `data.bench_messages` (an MBPP row:
+    its one user message), and remote.json keeps the first set's figures on top, each set's
+    under "sets"."""
+    from pipeline import loadtest
+    from pipeline.config import load_config
+    from pipeline.workspace import Workspace
+    from tests.fake_openai import FakeOpenAI
+
+    ws = Workspace(tmp_path / "art")
+    ws.test_file.parent.mkdir(parents=True)
+    ws.test_file.write_text("".join(json.dumps({"task_id": i, "prompt": f"task {i}"}) + "\n"
+                                    for i in range(3)))  # fmt: skip
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text(json.dumps({"prompt": "hello"}) + "\n")
+    cfg = load_config("configs/ci.yaml", ["bench.prompts=2", f"bench.sets=[heldout,{mine}]"])
+    with FakeOpenAI() as fake:
+        summary = loadtest.run_remote(cfg, ws, fake.url)
+    sent = [b["messages"] for b in fake.chat_bodies]
+    assert sent == [[{"role": "user", "content": p}] for p in ("task 0", "task 1", "hello")]
+    remote = json.loads((ws.bench / "remote.json").read_text())
+    assert list(remote["sets"]) == ["heldout", str(mine)] == list(summary["sets"])
+    assert [s["prompts"] for s in remote["sets"].values()] == [2, 1]
+    assert remote["requests"] == remote["sets"]["heldout"]["requests"] == 2
