@@ -198,7 +198,8 @@ def markdown(name: str, results: dict, env: dict, args) -> str:
     sets = list(dict.fromkeys(r["set"] for r in results["rows"]))
     heads = list(dict.fromkeys(r["head"] for r in results["rows"]))
     by = {(r["head"], r["set"]): r for r in results["rows"]}
-    lines = [header(env), f"{name}: eagle:{args.k} acceptance, greedy, {args.steps} head steps",
+    steps = f"{args.steps} head steps" + (f" ({args.mix_steps} mixed)" if args.mix_steps else "")
+    lines = [header(env), f"{name}: eagle:{args.k} acceptance, greedy, {steps}",
              "", "| head | " + " | ".join(sets) + " |", "|---" * (len(sets) + 1) + "|"]  # fmt: skip
     for h in heads:
         cells = [f"{by[(h, s)]['acceptance']:.3f} ({by[(h, s)]['proposed']})" for s in sets]
@@ -216,6 +217,7 @@ def main() -> None:
     p.add_argument("--config", default="configs/default.yaml")
     p.add_argument("--artifacts", default="artifacts")
     p.add_argument("--steps", type=int, default=256, help="head training steps, every head")
+    p.add_argument("--mix-steps", type=int, help="humaneval: the mixed head's steps (--steps)")
     p.add_argument("--k", type=int, default=2)
     p.add_argument("--tokens", type=int, default=48, help="humaneval: tokens per prompt")
     p.add_argument("--he-train", type=int, nargs=2, default=[0, 100], metavar=("A", "B"))
