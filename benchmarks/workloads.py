@@ -96,7 +96,7 @@ def humaneval(args, cfg, base: Workspace, out: Path) -> dict:
     distill(args, mix)
     heads = {
         "mbpp": base_head(args, cfg, base, out),
-        "mbpp+humaneval": train_head(args, cfg, mix, args.steps),
+        "mbpp+humaneval": train_head(args, cfg, mix, args.mix_steps or args.steps),
     }
     target = models.load_pair(cfg, base, None)
     tok, kwargs = target.tokenizer, cfg.template_kwargs()
