@@ -194,22 +194,27 @@ def parse_objects(
     return Loaded(list(rows.values()), fmt, invalid, duplicates)
 
 
-def read_objects(path: Path) -> list[tuple[str, dict]]:
-    """(file:line, object) per non-blank line; InputError naming the line if one is not a JSON
-    object."""
+def json_objects(lines, origin: str) -> list[tuple[int, dict]]:
+    """(line number, object) per non-blank line; InputError naming `origin:line` if one is not
+    a JSON object."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InputError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
-            if not isinstance(obj, dict):
-                raise InputError(f"{path}:{n}: expected a JSON object")
-            out.append((f"{path}:{n}", obj))
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{origin}:{n}: not valid JSON ({exc.msg})") from None
+        if not isinstance(obj, dict):
+            raise InputError(f"{origin}:{n}: expected a JSON object")
+        out.append((n, obj))
     return out
+
+
+def read_objects(path: Path) -> list[tuple[str, dict]]:
+    """(file:line, object) per non-blank line of `path` (`json_objects`)."""
+    with open(path, encoding="utf-8") as f:
+        return [(f"{path}:{n}", obj) for n, obj in json_objects(f, str(path))]
 
 
 def load_file(path: str | Path, fmt: str | None = None, skip_invalid: bool = False) -> Loaded:

@@ -38,15 +38,7 @@ def make_prompt(row: dict[str, Any]) -> str:
 def parse_mbpp_lines(lines: list[str], origin: str) -> list[dict[str, Any]]:
     rows = []
     seen: dict[int, int] = {}
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{origin}:{n}: not valid JSON ({exc.msg})") from None
-        if not isinstance(row, dict):
-            raise InputError(f"{origin}:{n}: expected a JSON object")
+    for n, row in data.json_objects(lines, origin):
         for field, kind in REQUIRED_FIELDS.items():
             if field not in row:
                 raise InputError(f"{origin}:{n}: missing field '{field}'")
