@@ -85,7 +85,13 @@ def context_check(cfg: Config, ws: Workspace, jobs: list[dict]) -> Callable[[lis
         return None
     from . import models
 
-    tok, kwargs = _target_tokenizer(cfg, ws), cfg.template_kwargs()
+    try:
+        tok = _target_tokenizer(cfg, ws)
+    except Exception as exc:  # a remote teacher's target need not be loadable here
+        log.warning("distill: conversations' lengths not checked against data.max_context: "
+                    "the target's tokenizer did not load (%s: %s)", type(exc).__name__, exc)  # fmt: skip
+        return None
+    kwargs = cfg.template_kwargs()
     room = cfg.data.max_context - cfg.teacher.max_tokens
     return lambda messages: len(models.chat_prompt_ids(tok, messages, kwargs)) <= room
 
