@@ -412,12 +412,7 @@ def _plot_sets(plt, sets: dict, out: Path) -> str | None:
     ax.set_xticks([i + width * (len(sets) - 1) / 2 for i in range(len(arms))], labels)
     ax.set_ylabel("share of draft tokens accepted")
     ax.set_ylim(0, 1)
-    ax.set_title("Acceptance by prompt set and arm")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "acceptance_by_set.png", dpi=110)
-    plt.close(fig)
-    return "acceptance_by_set.png"
+    return _save(plt, fig, ax, "Acceptance by prompt set and arm", out / "acceptance_by_set.png")
 
 
 def _plot_throughput(plt, results: dict, out: Path) -> str:
@@ -437,12 +432,7 @@ def _plot_throughput(plt, results: dict, out: Path) -> str:
         ax.axhline(target["tokens_per_second"], color="black", linestyle="--", label="target only")
     ax.set_xticks([i + width * (len(results["drafts"]) - 1) / 2 for i in range(len(modes))], modes)
     ax.set_ylabel("output tokens/s")
-    ax.set_title("Throughput by mode and draft")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "tokens_per_second.png", dpi=110)
-    plt.close(fig)
-    return "tokens_per_second.png"
+    return _save(plt, fig, ax, "Throughput by mode and draft", out / "tokens_per_second.png")
 
 
 def _plot_bandit(plt, results: dict, records: list[dict], out: Path) -> str | None:
@@ -489,9 +479,14 @@ def _plot_positions(plt, pos: dict, out: Path) -> str | None:
     ax.set_xlabel("draft position")
     ax.set_ylabel("share accepted")
     ax.set_ylim(0, 1)
-    ax.set_title("Acceptance by draft position")
+    return _save(plt, fig, ax, "Acceptance by draft position", out / "acceptance_by_position.png")
+
+
+def _save(plt, fig, ax, title: str, path: Path) -> str:
+    """Title and legend on `ax`, `fig` written to `path` and closed; the file's name."""
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "acceptance_by_position.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return "acceptance_by_position.png"
+    return path.name
