@@ -2,6 +2,8 @@
 is the target's own (transformers' `generate` is the oracle), a scripted proposer right for
 exactly j tokens is accepted for exactly those, and the counts add up."""
 
+import copy
+
 import pytest
 import torch
 
@@ -31,6 +33,24 @@ def pairs(tiny_models):
     return tok, Models(target, draft, eos), Models(target, target, eos)
 
 
+MASK = 5  # the tiny draft's stand-in mask id: any id of its vocabulary serves the mechanics
+
+
+def with_mask(model, mask=MASK):
+    """A copy of `model` whose config names a parallel-drafting mask token."""
+    m = copy.deepcopy(model)
+    m.config.pard_token = mask
+    return m
+
+
+@pytest.fixture(scope="module")
+def parallel(tiny_models):
+    """Models whose draft is the cut draft, and the target itself, each given a mask token."""
+    tok, target, draft = tiny_models
+    eos = [tok.eos_token_id]
+    return Models(target, with_mask(draft), eos), Models(target, with_mask(target), eos)
+
+
 @pytest.fixture(scope="module")
 def oracle(tiny_models):
     tok, target, _ = tiny_models
@@ -38,13 +58,14 @@ def oracle(tiny_models):
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-def test_greedy_output_equals_transformers_generate_for_every_arm(pairs, oracle, k):
+def test_greedy_output_equals_transformers_generate_for_every_arm(pairs, parallel, oracle, k):
     tok, cut, selfdraft = pairs
     for text in PROMPTS:
         ids = ids_for(tok, text)
         assert oracle[text], "the oracle generated nothing: the check checks nothing"
         for models, arm in ((cut, "0"), (cut, f"draft:{k}"), (selfdraft, f"draft:{k}"),
-                            (cut, f"ngram:{k}")):  # fmt: skip
+                            (cut, f"ngram:{k}"), (parallel[0], f"pard:{k}"),
+                            (parallel[1], f"pard:{k}")):  # fmt: skip
             r = generate(models, ids, parse_arm(arm), 24)
             assert r.token_ids == oracle[text], (text, arm)
             assert r.finish_reason == ("length" if len(oracle[text]) == 24 else "stop")
@@ -152,6 +173,39 @@ def test_the_draft_guesses_its_own_greedy_continuation_after_every_rollback(pair
     assert checked > 4
 
 
+def test_the_parallel_draft_guesses_what_a_fresh_pass_over_the_masks_gives(tiny_models, parallel):
+    """Each step a `pard:K` row's K guesses are the draft's greedy picks at its last real token
+    and at K-1 mask tokens after it, as one plain forward from scratch gives them: the masks'
+    keys never stay in its cache, and rows batched together do not disturb each other."""
+    tok = tiny_models[0]
+    models = parallel[0]
+    draft = models.draft
+    batch = RowBatch(models, max_rows=3)
+    rows = batch.join([(i, ids_for(tok, t), 20, parse_arm(f"pard:{k}"))
+                       for i, (t, k) in enumerate(zip(PROMPTS, (3, 1, 4)))])  # fmt: skip
+    checked = 0
+    while batch.rows:
+        seqs = {id(r): list(r.seq) for r in batch.rows}
+        batch.step()
+        for r in rows:
+            if id(r) in seqs and r.drafts:
+                fed = seqs[id(r)] + [MASK] * (len(r.drafts) - 1)
+                with torch.no_grad():
+                    logits = draft(torch.tensor([fed])).logits[0]
+                assert r.drafts == logits[-len(r.drafts) :].argmax(-1).tolist()
+                checked += 1
+    assert checked > 8
+
+
+def test_a_self_draft_with_untrained_masks_is_right_only_at_its_first_guess(tiny_models, parallel):
+    """The target as its own parallel draft: its first guess is the target's next token (always
+    accepted); the masks it was never trained on guess (nearly) nothing right."""
+    tok = tiny_models[0]
+    r = generate(parallel[1], ids_for(tok, PROMPTS[2]), parse_arm("pard:4"), 30)
+    assert r.accepted_per_position[0] == r.eligible_per_position[0] > 0
+    assert r.proposed_per_position[1] > 0
+
+
 def test_arm_zero_does_no_draft_work(pairs):
     tok, cut, _ = pairs
     r = generate(cut, ids_for(tok, "hello"), parse_arm("0"), 20)
@@ -176,6 +230,21 @@ def test_arms_without_their_model_are_refused(tiny_models):
     with pytest.raises(ValueError, match="needs an EAGLE-3 head"):
         batch.check([1, 2], 5, parse_arm("eagle:2"))
     batch.check([1, 2], 5, parse_arm("ngram:2"))  # prompt lookup needs no model
+    plain_draft = RowBatch(Models(target, tiny_models[2], [tok.eos_token_id]))
+    with pytest.raises(ValueError, match="parallel drafting"):
+        plain_draft.check([1, 2], 5, parse_arm("pard:2"))
+
+
+@pytest.mark.parametrize("value", [-1, 10**9, "5", True])
+def test_a_mask_id_outside_the_drafts_vocabulary_is_refused(tiny_models, value):
+    tok, target, draft = tiny_models
+    bad = copy.deepcopy(draft)
+    bad.config.pard_token = value
+    with pytest.raises(ValueError, match="pard_token"):
+        Models(target, bad, [tok.eos_token_id])
+    bad.config.pard_token = None
+    bad.config.ptd_token_id = 7  # vLLM's other key
+    assert Models(target, bad, [tok.eos_token_id]).parallel_token == 7
 
 
 def test_chosen_linears_match_plain_linear_and_leave_training_alone():

@@ -11,6 +11,7 @@ max(0, p - q).
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -124,6 +125,8 @@ def engine(tiny_models):
     tok, target, draft = tiny_models
     torch.manual_seed(0)  # an EAGLE-3 head started from the target: the eagle:K arms
     head = eagle3.new_head(target, list(range(target.config.vocab_size)), None).eval()
+    draft = copy.deepcopy(draft)
+    draft.config.pard_token = 5  # a mask id: the pard:K arms (untrained masks guess poorly)
     return tok, Models(target, draft, [tok.eos_token_id], head=head)
 
 
@@ -146,6 +149,7 @@ def reference_samples(engine):
 
 
 SAMPLED_ARMS = [f"{s}:{k}" for s in ("draft", "ngram", "eagle") for k in (1, 2, 4)]
+SAMPLED_ARMS += ["pard:4"]  # its three guesses cover every position compared
 
 
 @pytest.mark.parametrize("arm", SAMPLED_ARMS)
@@ -168,7 +172,7 @@ def test_speculative_sampling_matches_target_only_sampling(engine, reference_sam
         controls = [(always_accept, SAMPLES // 4)]
         # The eagle head here starts from the target's own last layer and head, so its q is
         # close to p and skipping the residual moves the output too little to see as well.
-        if arm.startswith("draft"):
+        if arm.startswith(("draft", "pard")):
             controls.append((no_residual, SAMPLES))
         for rule, n in controls:
             batch_mod.verify = rule  # a negative control: a rule the test must catch

@@ -1,6 +1,7 @@
 """Draft arms: how a request drafts. Pure. `0`: the target alone; `draft:K` (also `K`,
-`fixed:K`): the draft model guesses K tokens; `ngram:K`: prompt lookup (the K tokens after the
-latest earlier match of the last 3, 2 or 1 tokens); `eagle:K`: an EAGLE-3 head. `str(arm)` is
+`fixed:K`): the draft model guesses K tokens, a pass each; `pard:K`: the same draft trained for
+parallel drafting guesses K in one pass; `ngram:K`: prompt lookup (the K tokens after the latest
+earlier match of the last 3, 2 or 1 tokens); `eagle:K`: an EAGLE-3 head. `str(arm)` is
 the arm's id everywhere (config, bandit state, bench, responses, metrics).
 """
 
@@ -8,13 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-STRATEGIES = ("draft", "ngram", "eagle")
+STRATEGIES = ("draft", "pard", "ngram", "eagle")
 MAX_K = 16  # a verify pass of K+1 tokens; beyond this nothing pays
 
 
 @dataclass(frozen=True)
 class Arm:
-    strategy: str  # "none" (k = 0) | "draft" | "ngram" | "eagle"
+    strategy: str  # "none" (k = 0) | "draft" | "pard" | "ngram" | "eagle"
     k: int
 
     def __str__(self) -> str:
@@ -35,9 +36,14 @@ class Arm:
     def needs_head(self) -> bool:
         return self.strategy == "eagle" and self.k > 0
 
+    @property
+    def needs_parallel(self) -> bool:
+        """A draft model trained for parallel drafting (its config names a mask token)."""
+        return self.strategy == "pard" and self.k > 0
+
 
 PLAIN = Arm("none", 0)
-FORMS = "0, draft:K (also K or fixed:K), ngram:K, eagle:K"
+FORMS = "0, draft:K (also K or fixed:K), pard:K, ngram:K, eagle:K"
 
 
 def parse_arm(value: int | str | Arm) -> Arm:
@@ -65,10 +71,12 @@ def parse_arm(value: int | str | Arm) -> Arm:
     return Arm(strategy, k)
 
 
-def usable(value, has_draft: bool, has_head: bool = False) -> bool:
-    """Whether an engine with (or without) a draft model and an EAGLE-3 head can run the arm."""
+def usable(value, has_draft: bool, has_head: bool = False, has_parallel: bool = False) -> bool:
+    """Whether an engine with (or without) a draft model, an EAGLE-3 head and a draft trained for
+    parallel drafting can run the arm."""
     a = parse_arm(value)
-    return (has_draft or not a.needs_draft) and (has_head or not a.needs_head)
+    return ((has_draft or not a.needs_draft) and (has_head or not a.needs_head)
+            and (has_parallel or not a.needs_parallel))  # fmt: skip
 
 
 def canonical(values) -> list[str]:

@@ -1,6 +1,6 @@
 """The step loop, Phoenix's one engine: rows (`row.Row`, one request each, arm 0, draft:K,
-ngram:K or eagle:K) join between steps, prefilled into per-row caches, and leave when done.
-Pure: ids and models in, ids and counts out; the scheduler calls it from one thread. One step:
+pard:K, ngram:K or eagle:K) join between steps, prefilled into per-row caches, and leave when
+done. Pure: ids and models in, ids and counts out; the scheduler calls it from one thread. One step:
   1. each row's proposer (`propose/`) guesses up to k_eff tokens, one proposer's rows together;
   2. one ragged target pass over every row's `[last, d1..dk]`, returning the proposers' `taps`;
   3. per row, acceptance and cache rollback. Greedy: the longest agreeing prefix plus the
@@ -28,6 +28,7 @@ from .propose import Proposer
 from .propose.draft_model import DraftModelProposer
 from .propose.eagle import EagleProposer
 from .propose.ngram import NgramProposer
+from .propose.parallel import ParallelProposer
 from .row import GenerationResult, Row
 from .rows import RowCache, prefill, split_rows, target_logits
 from .runner import prepare
@@ -48,6 +49,7 @@ class RowBatch:
         self.cost = StepCost()  # the target pass: time against tokens fed
         self.draft_cost = StepCost()  # one draft pass: time against rows drafted for
         self.head_cost = StepCost()  # one head pass (a read, or a guess): time against its rows
+        self.parallel_cost = StepCost()  # one parallel draft pass: time against its rows
         self.rows: list[Row] = []
         self.epoch = 0  # bumped by each `set_models` (a new draft)
         self.steps = 0
@@ -76,6 +78,8 @@ class RowBatch:
             raise ValueError(f"arm {arm} needs a draft model; this engine has none")
         if arm.needs_head and self.models.head is None:
             raise ValueError(f"arm {arm} needs an EAGLE-3 head; this engine has none")
+        if arm.needs_parallel and self.models.parallel_token is None:
+            raise ValueError(f"arm {arm} needs a draft trained for parallel drafting; none here")
 
     def _cache(self) -> RowCache:
         if self._tcache is None:
@@ -93,6 +97,9 @@ class RowBatch:
             elif strategy == "draft" and m.drafter is not None:
                 p = DraftModelProposer(m.drafter, self.max_rows, self.limit, self.vocab,
                                        self.draft_cost, self.lean)  # fmt: skip
+            elif strategy == "pard" and m.parallel_token is not None:
+                p = ParallelProposer(m.drafter, m.parallel_token, self.max_rows, self.limit,
+                                     self.vocab, self.parallel_cost, self.lean)  # fmt: skip
             elif strategy == "eagle" and m.head is not None:
                 p = EagleProposer(m.head, self.vocab, self.head_cost)
             if p is not None:
@@ -113,12 +120,13 @@ class RowBatch:
             if r.proposer is not None and r.arm.needs_head and r.proposer is not kept.get("eagle"):
                 r.proposer.leave(r)
                 r.proposer = None
-        draft_rows = [r for r in self.rows if r.proposer is not None and r.arm.needs_draft]
-        new = self._proposer("draft")
-        for r in draft_rows:
-            r.proposer, r.dslot = new, None
-        if new is not None:
-            new.adopt(draft_rows)
+        for strategy in ("draft", "pard"):
+            moved = [r for r in self.rows if r.proposer is not None and r.arm.strategy == strategy]
+            new = self._proposer(strategy)  # None: the new draft cannot; they finish plain
+            for r in moved:
+                r.proposer, r.dslot = new, None
+            if new is not None:
+                new.adopt(moved)
 
     def reset(self) -> list[Row]:
         """Drop every row and every cache (after a step failed); returns the rows dropped."""

@@ -310,9 +310,15 @@ def draft_scores(
     slots: Sequence[int],
     feeds: Sequence[Sequence[int]],
     head: torch.Tensor | None,
+    last: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """Draft logits after each row's feed [rows, V]; with a pruned `head`, [rows, len(head)]."""
+    """Draft logits after each row's feed [rows, V]; with a pruned `head`, [rows, len(head)].
+    With `last`: after each row's final `last[i]` fed tokens, in order [sum(last), V]."""
     hidden = _hidden(model, cache, slots, feeds)
-    ends = torch.tensor([len(f) for f in feeds]).cumsum(0) - 1
-    h = hidden[ends.to(hidden.device)]
+    ends = torch.tensor([len(f) for f in feeds]).cumsum(0)
+    if last is None:
+        at = ends - 1
+    else:
+        at = torch.cat([torch.arange(e - n, e) for e, n in zip(ends.tolist(), last, strict=True)])
+    h = hidden[at.to(hidden.device)]
     return _head(model, h) if head is None else F.linear(h, head)
