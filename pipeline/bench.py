@@ -273,7 +273,7 @@ def measure_all(
         core = core_of(pair, draft, state=state)
         cores.append(core)
         own = [a for a in cfg.bench.fixed_arms if not usable(a, False, False)
-               and usable(a, core.has_draft, core.has_head)]  # fmt: skip
+               and usable(a, *core.kinds)]  # fmt: skip
         runs += [(core, draft, fixed(arm).spec, None) for arm in own]
         runs.append((core, draft, "bandit", None))
         compares.append((draft, pair.models, own))
@@ -321,7 +321,7 @@ def warm_up(cfg, core: ServingCore, mode_text: str, ids):
         if mode_text == "bandit"
         else list(dict.fromkeys(["0", *cfg.bandit.arms, *cfg.bench.fixed_arms]))
     )
-    mode = parse_mode(mode_text, arms, core.has_draft, core.has_head)
+    mode = parse_mode(mode_text, arms, *core.kinds)
     warm_modes = [fixed(a) for a in core.bandit.arms] if mode.kind == "bandit" else [mode]
     for w in range(cfg.bench.warmup_requests):
         for warm in warm_modes:

@@ -298,7 +298,10 @@ def load_pair(
                 use_linears(model, model._phoenix_linears)
                 log.info("%s linears (%s): %s", name, dtype,
                          model._phoenix_linears.describe())  # fmt: skip
-    loaded = Models(target, draft_model, eos, tok.pad_token_id, subset, head)
+    try:
+        loaded = Models(target, draft_model, eos, tok.pad_token_id, subset, head)
+    except ValueError as exc:  # a draft or head that does not fit the target: its files' fault
+        raise ConfigError(f"{draft_ref}: {exc}") from None
     return Pair(tok, loaded, target_ref, draft_ref)
 
 

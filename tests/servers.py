@@ -50,10 +50,13 @@ def tiny_core(
     arms=TINY_ARMS,
     with_draft=True,
     sets=("bandit.fallback=false",),
+    draft=None,
 ) -> ServingCore:
     """A serving core over the tiny pair, built as every core is (`make_core`), from the
-    default config with these arms (`sets`: more overrides; the drift guard off by default)."""
-    tok, target, draft = tiny_models
+    default config with these arms (`sets`: more overrides; the drift guard off by default;
+    `draft`: another draft model in place of the tiny one)."""
+    tok, target, tiny_draft = tiny_models
+    draft = draft if draft is not None else tiny_draft
     engine = Models(target, draft if with_draft else None, [tok.eos_token_id])
     cfg = load_config(
         None,

@@ -790,7 +790,8 @@ def test_goodput_counts_the_other_rows_proposals_in_every_rows_step():
     step, head = line(0.028, 0.002), line(0.0, 0.0025)
 
     def row(k, rounds=0, proposed=0, eagle=False, draft=False):
-        return SimpleNamespace(arm=SimpleNamespace(k=k), rounds=rounds, proposed=proposed,
+        return SimpleNamespace(arm=SimpleNamespace(k=k, strategy="draft" if draft else "eagle"),
+                               rounds=rounds, proposed=proposed,
                                guess_rounds=rounds, hcache=object() if eagle else None,
                                dslot=0 if draft else None)  # fmt: skip
 

@@ -182,7 +182,7 @@ def test_the_parallel_draft_guesses_what_a_fresh_pass_over_the_masks_gives(tiny_
     draft = models.draft
     batch = RowBatch(models, max_rows=3)
     rows = batch.join([(i, ids_for(tok, t), 20, parse_arm(f"pard:{k}"))
-                       for i, (t, k) in enumerate(zip(PROMPTS, (3, 1, 4)))])  # fmt: skip
+                       for i, (t, k) in enumerate(zip(PROMPTS, (3, 1, 4), strict=True))])  # fmt: skip
     checked = 0
     while batch.rows:
         seqs = {id(r): list(r.seq) for r in batch.rows}

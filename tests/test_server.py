@@ -1,3 +1,4 @@
+import copy
 import json
 import threading
 import time
@@ -459,6 +460,39 @@ def test_start_up_heap_is_frozen_and_collections_are_timed_on_metrics(tiny_model
     assert heap.holders() == holders  # let go: the last holder unfreezes
     assert (gc.get_freeze_count() == 0) == (holders == 0)
     assert len(gc.callbacks) == callbacks
+
+
+def test_pard_modes_run_on_a_parallel_draft_and_are_refused_on_a_plain_one(tiny_models, caplog):
+    """A draft naming a mask token serves pard:K with the target's own output; a plain draft's
+    server drops the bandit's pard arm (a WARNING naming the draft and the key) and answers a
+    pard request with a 400 listing the valid modes; started in a pard mode it refuses to load."""
+    from pipeline.errors import ConfigError
+
+    masked = copy.deepcopy(tiny_models[2])
+    masked.config.pard_token = 5
+    arms = ["0", "draft:2", "pard:2"]
+    with ServerThread(create_app(lambda: tiny_core(tiny_models, mode="pard:2", arms=arms,
+                                                   draft=masked))) as s:  # fmt: skip
+        wait_http(s.url + "/health")
+        plain = post(s, CHAT, chat_body(phoenix={"mode": "target"})).json()
+        for mode in ("pard:2", "pard_2", None):
+            body = chat_body(phoenix={"mode": mode}) if mode else chat_body()
+            r = post(s, CHAT, body)
+            assert r.status_code == 200, r.text
+            assert r.json()["phoenix"]["arm"] == "pard:2"
+            assert r.json()["choices"][0]["message"] == plain["choices"][0]["message"]
+    with caplog.at_level("WARNING"):
+        core = tiny_core(tiny_models, mode="target", arms=arms)
+    assert "pard:2 dropped" in caplog.text and "pard_token" in caplog.text
+    core.scheduler.stop()
+    with ServerThread(create_app(lambda: tiny_core(tiny_models, mode="target", arms=arms))) as s:
+        wait_http(s.url + "/health")
+        r = post(s, CHAT, chat_body(phoenix={"mode": "pard:2"}))
+        assert r.status_code == 400, r.text
+        msg = r.json()["error"]["message"]
+        assert "parallel drafting" in msg and "target, bandit, fixed:2" in msg, msg
+    with pytest.raises(ConfigError, match="pard_token"):
+        tiny_core(tiny_models, mode="pard:2", arms=arms)
 
 
 def test_ngram_mode_needs_no_draft_and_bad_modes_name_the_valid_arms(tiny_models):

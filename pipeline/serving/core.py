@@ -12,6 +12,7 @@ from pathlib import Path
 from .. import compiling, drafts, models
 from ..artifacts import weights_id
 from ..config import Config
+from ..errors import ConfigError
 from ..speculative.arms import parse_arm, usable
 from ..speculative.bandit import Context
 from ..speculative.batch import RowBatch
@@ -59,12 +60,13 @@ class ServingCore:
         self.target_spec = target_spec or model_id
         self.has_draft = pair.models.drafter is not None
         self.has_head = pair.models.head is not None
-        if not all(usable(a, self.has_draft, self.has_head) for a in policy.arms):
+        self.has_parallel = pair.models.parallel_token is not None
+        if not all(usable(a, *self.kinds) for a in policy.arms):
             raise ValueError(
-                f"bandit arms {policy.arms} include draft or eagle arms, and there is no draft "
-                "model or head for them"
+                f"bandit arms {policy.arms} include draft, pard or eagle arms, and there is no "
+                "draft model (trained for parallel drafting, for pard) or head for them"
             )
-        self.default_mode = parse_mode(default_mode, policy.arms, self.has_draft, self.has_head)
+        self.default_mode = parse_mode(default_mode, policy.arms, *self.kinds)
         self.scheduler = Scheduler(RowBatch(pair.models, max_rows, limit), gate=self._gate,
                                    start=start)  # fmt: skip
         self._labels = {0: draft_id}  # draft epoch -> the draft's label
@@ -108,7 +110,7 @@ class ServingCore:
     def mode(self, text: str | None) -> Mode:
         if text is None:
             return self.default_mode
-        return parse_mode(text, self.policy.arms, self.has_draft, self.has_head)
+        return parse_mode(text, self.policy.arms, *self.kinds)
 
     def chat_prompt_ids(
         self, messages: list[dict], template_kwargs: dict | None = None
@@ -117,6 +119,17 @@ class ServingCore:
 
     def text_prompt_ids(self, text: str) -> list[int]:
         return models.text_prompt_ids(self.tokenizer, text)
+
+    @property
+    def kinds(self) -> tuple[bool, bool, bool]:
+        """(has_draft, has_head, has_parallel): what `usable` and `parse_mode` ask of an engine."""
+        return self.has_draft, self.has_head, self.has_parallel
+
+    def _drafting_curves(self) -> tuple:
+        """The measured (draft, head, parallel draft) pass curves (None: not measured yet)."""
+        b = self.scheduler.batch
+        return tuple(c.curve() if c.seen else None
+                     for c in (b.draft_cost, b.head_cost, b.parallel_cost))  # fmt: skip
 
     # -- the hand-off -----------------------------------------------------------------------------
     def context(self, prompt_tokens: int, temperature: float = 0.0) -> Context:
@@ -128,21 +141,24 @@ class ServingCore:
         beside = running[: rows - 1]  # the rows it would run beside
         fed, tokens = per_step(beside)
         plain = max(0, rows - 1 - len(running))  # waiting requests: counted as plain rows
-        draft = batch.draft_cost.curve() if batch.draft_cost.seen else None
-        head = batch.head_cost.curve() if batch.head_cost.seen else None
+        draft, head, par = self._drafting_curves()
         return Context(
             prompt_tokens=prompt_tokens,
             queue_depth=others,
             rows=rows,
             step_cost=batch.cost.curve(rows) if batch.cost.seen else None,
             draft_cost=draft,
-            draft_rows=sum(1 for r in beside if r.dslot is not None),
+            draft_rows=sum(1 for r in beside if r.dslot is not None and r.arm.strategy == "draft"),
+            parallel_cost=par,
+            parallel_rows=sum(
+                1 for r in beside if r.dslot is not None and r.arm.strategy == "pard"
+            ),
             head_cost=head,
             head_rows=head_rows(beside),
             temperature=temperature,
             others_fed=fed + plain,
             others_tokens=tokens + plain,
-            others_drafting=drafting_seconds(beside, draft, head),
+            others_drafting=drafting_seconds(beside, draft, head, par),
             alone_cost=batch.cost.curve(1) if batch.cost.seen else None,
         )
 
@@ -155,9 +171,7 @@ class ServingCore:
         memo = self._gate_memo
         if memo is not None and memo[0] == batch.changes and batch.steps - memo[1] < GATE_EVERY:
             return memo[2]
-        draft = batch.draft_cost.curve() if batch.draft_cost.seen else None
-        head = batch.head_cost.curve() if batch.head_cost.seen else None
-        caps = self.policy.may_guess(rows, batch.cost.curve(len(rows)), draft, head)
+        caps = self.policy.may_guess(rows, batch.cost.curve(len(rows)), *self._drafting_curves())
         self._gate_memo = (batch.changes, batch.steps, caps)
         return caps
 
@@ -218,7 +232,7 @@ class ServingCore:
                 ],
             )  # fmt: skip
             # A reward earned (even in part) on a draft swapped out since is not the new one's.
-            stale = arm.needs_draft and job.epoch != self.draft_epoch
+            stale = (arm.needs_draft or arm.needs_parallel) and job.epoch != self.draft_epoch
             if decision is not None and not cancelled and not stale:
                 load = max(1, round(res.batch_rows))
                 cost = self.scheduler.batch.cost.curve(load)
@@ -306,6 +320,21 @@ def build_core(
     return core
 
 
+def _check_parallel(pair: models.Pair, mode: str, arms: list) -> None:
+    """A draft that names no mask token asked to draft in parallel: ConfigError (exit 2) when
+    the mode asks it; the bandit's pard:K arms are dropped with a WARNING (as eagle:K arms
+    without a head are: a base draft benched beside a trained one has none)."""
+    if pair.models.drafter is None or pair.models.parallel_token is not None:
+        return
+    why = (f"the draft {pair.draft_ref} names no mask token: its config.json has neither "
+           "pard_token nor ptd_token_id (train it with train.parallel=K)")  # fmt: skip
+    if mode.strip().startswith("pard"):
+        raise ConfigError(f"mode {mode} drafts in parallel, and {why}")
+    dropped = [str(a) for a in arms if parse_arm(a).needs_parallel]
+    if dropped:
+        log.warning("bandit: %s dropped: %s", ", ".join(dropped), why)
+
+
 def make_core(
     cfg: Config,
     pair: models.Pair,
@@ -323,7 +352,9 @@ def make_core(
     `server.max_batch`, `policy` `bandit.policy`. `draft_id`: the draft's label; `draft_info`:
     `ServedDraft.describe()`; `prior`: `drafts.bench_prior`'s; `start`: as `ServingCore`'s."""
     has_draft = pair.draft_ref is not None
-    has = (pair.models.drafter is not None, pair.models.head is not None)
+    m = pair.models
+    has = (m.drafter is not None, m.head is not None, m.parallel_token is not None)
+    _check_parallel(pair, mode or cfg.server.mode, cfg.bandit.arms)
     arms = [a for a in cfg.bandit.arms if usable(a, *has)] or ["0"]
     beside = (draft_info or {}).get("head")  # an EAGLE-3 head beside the draft model, if any
     draft, head = served_weights(pair, beside) if state_file is not None else (None, None)

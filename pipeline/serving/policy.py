@@ -74,9 +74,11 @@ class Policy:
                 log.info("bandit: acceptance of %s from %s", ", ".join(self.seeded), prior[1])
 
     def _arms_of(self, draft: bool, head: bool) -> list:
-        """The arms on the draft model (if `draft`) and on the head (if `head`)."""
+        """The arms on the draft model (if `draft`: sequential or parallel) and on the head (if
+        `head`)."""
         arms = [parse_arm(a) for a in self.bandit.arms]
-        return [str(a) for a in arms if (draft and a.needs_draft) or (head and a.needs_head)]
+        return [str(a) for a in arms
+                if (draft and (a.needs_draft or a.needs_parallel)) or (head and a.needs_head)]  # fmt: skip
 
     def _check_draft(self, state_file: Path) -> None:
         """Forget the draft's or head's arms if the state measured other weights."""
@@ -114,7 +116,7 @@ class Policy:
 
     def may_guess(
         self, rows: list, step_cost: tuple, draft_cost: tuple | None,
-        head_cost: tuple | None = None,
+        head_cost: tuple | None = None, parallel_cost: tuple | None = None,
     ) -> list[int]:  # fmt: skip
         """Per row (`k_eff` set), the most it may guess this step: `GoodputBandit.step_caps`;
         other policies guess their k_eff."""
@@ -125,7 +127,7 @@ class Policy:
             fed, tokens = per_step([r])
             view.append(StepRow(str(r.arm), r.k_eff, r.adaptive, fed, tokens,
                                 r.sampling.temperature))  # fmt: skip
-        return self.bandit.step_caps(view, step_cost, draft_cost, head_cost)
+        return self.bandit.step_caps(view, step_cost, draft_cost, head_cost, parallel_cost)
 
     def reward(
         self, decision: Decision, result, context: Context, step_cost: tuple | None = None,

@@ -55,12 +55,13 @@ def fixed(arm) -> Mode:
     return Mode("target") if a == PLAIN else Mode("arm", a)
 
 
-def parse_mode(text: str, arms: list[str], has_draft: bool, has_head: bool = False) -> Mode:
+def parse_mode(text: str, arms: list[str], has_draft: bool, has_head: bool = False,
+               has_parallel: bool = False) -> Mode:  # fmt: skip
     """target, bandit (needs a runnable speculative arm), or one of `arms` as fixed:K / draft:K,
     eagle:K, ngram:K (also fixed_K, ...); ModeError naming the valid modes."""
     text = text.strip()
     arms = canonical(arms)
-    runnable = [a for a in arms if usable(a, has_draft, has_head)]
+    runnable = [a for a in arms if usable(a, has_draft, has_head, has_parallel)]
     valid = ", ".join(["target", "bandit", *(fixed(a).spec for a in runnable if a != "0")])
     if text == "target":
         return Mode("target")
@@ -68,7 +69,8 @@ def parse_mode(text: str, arms: list[str], has_draft: bool, has_head: bool = Fal
         if not any(a != "0" for a in runnable):
             raise ModeError(
                 "mode 'bandit' needs a speculative arm it can run (draft:K with a draft model, "
-                "eagle:K with an EAGLE-3 head, or ngram:K), and has none"
+                "pard:K with a parallel draft, eagle:K with an EAGLE-3 head, or ngram:K), and "
+                "has none"
             )
         return Mode("bandit")
     try:
@@ -82,6 +84,11 @@ def parse_mode(text: str, arms: list[str], has_draft: bool, has_head: bool = Fal
     if arm.needs_head and not has_head:
         raise ModeError(
             f"mode {text!r} needs an EAGLE-3 head, and none is loaded; valid here: {valid}"
+        )
+    if arm.needs_parallel and not has_parallel:
+        raise ModeError(
+            f"mode {text!r} needs a draft trained for parallel drafting (its config names a "
+            f"pard_token), and the loaded one is not; valid here: {valid}"
         )
     if str(arm) not in arms and arm != PLAIN:
         raise ModeError(f"bad mode {text!r}: not one of the configured arms; valid: {valid}")

@@ -30,6 +30,8 @@ class Context:
     draft_rows: int = 0  # rows drafting with the draft model now (without this one)
     head_cost: tuple[tuple[float, float], ...] | None = None
     head_rows: float = 0.0  # rows drafting with the head now (without this one; `head_rows`)
+    parallel_cost: tuple[tuple[float, float], ...] | None = None  # one parallel draft pass
+    parallel_rows: int = 0  # rows drafting with the parallel draft now (without this one)
     # What the other rows of that batch feed and commit per step (None: rows - 1 plain rows).
     others_fed: float | None = None
     others_tokens: float | None = None

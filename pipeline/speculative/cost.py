@@ -149,9 +149,10 @@ def head_rows(rows) -> float:
     return sum(guessing_share(r) for r in rows if r.hcache is not None)
 
 
-def drafting_seconds(rows, draft_cost, head_cost) -> float:
-    """Seconds a step of `rows` spends on proposals (`shared_passes` per draft / head curve; None
-    curve: 0; prompt lookup free), each row at its mean guesses (unstepped: k)."""
+def drafting_seconds(rows, draft_cost, head_cost, parallel_cost=None) -> float:
+    """Seconds a step of `rows` spends on proposals (`shared_passes` per draft / head curve, one
+    pass over the guessing parallel-draft rows; None curve: 0; prompt lookup free), each row at
+    its mean guesses (unstepped: k)."""
 
     def guesses(r) -> float:
         return r.proposed / r.rounds if r.rounds else float(r.arm.k)
@@ -159,8 +160,13 @@ def drafting_seconds(rows, draft_cost, head_cost) -> float:
     seconds = 0.0
     if head_cost:
         seconds += shared_passes(head_cost, [guesses(r) for r in rows if r.hcache is not None])
+    drafting = [r for r in rows if r.dslot is not None]
     if draft_cost:
-        seconds += shared_passes(draft_cost, [guesses(r) for r in rows if r.dslot is not None])
+        seconds += shared_passes(draft_cost,
+                                 [guesses(r) for r in drafting if r.arm.strategy == "draft"])  # fmt: skip
+    if parallel_cost:
+        seconds += shared_passes(parallel_cost,
+                                 [min(1.0, guesses(r)) for r in drafting if r.arm.strategy == "pard"])  # fmt: skip
     return seconds
 
 

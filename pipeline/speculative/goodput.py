@@ -89,6 +89,8 @@ class GoodputBandit(EpsilonGreedy):
             cost += added_passes(context.draft_cost, context.draft_rows, k)
         if s == "eagle" and context.head_cost is not None:  # its read and guesses: shared
             cost += added_passes(context.head_cost, context.head_rows, k)
+        if s == "pard" and context.parallel_cost is not None:  # one pass, whatever k
+            cost += added_passes(context.parallel_cost, context.parallel_rows, 1)
         return (tokens_o + tokens) / max(cost, 1e-9)
 
     def seed(self, prior: dict[str, tuple[list, list, list]], rounds: float) -> list[str]:
@@ -120,6 +122,8 @@ class GoodputBandit(EpsilonGreedy):
         if max(x for x, _ in context.step_cost) < 1 + k:
             return False
         if s == "draft" and context.draft_cost is None:
+            return False
+        if s == "pard" and context.parallel_cost is None:
             return False
         return not (s == "eagle" and context.head_cost is None)
 
@@ -185,7 +189,8 @@ class GoodputBandit(EpsilonGreedy):
             out.append((fed, tokens))
         return out
 
-    def step_caps(self, rows: list[StepRow], step_cost, draft_cost=None, head_cost=None):
+    def step_caps(self, rows: list[StepRow], step_cost, draft_cost=None, head_cost=None,
+                  parallel_cost=None):  # fmt: skip
         """The most tokens each row may guess this step. Alone or without figures: its k. Else one
         cap c for the adaptive rows, the c in 0..k maximising
 
@@ -204,7 +209,7 @@ class GoodputBandit(EpsilonGreedy):
                        and not self._reaches(r.arm, r.k, r.temperature)]  # fmt: skip
         learning = set(unknown[: self.learners])
         view = [replace(r, adaptive=False) if i in learning else r for i, r in enumerate(rows)]
-        values, plans = self.step_values(view, step_cost, draft_cost, head_cost)
+        values, plans = self.step_values(view, step_cost, draft_cost, head_cost, parallel_cost)
         cap = max(range(len(values)), key=lambda c: (values[c], -c))
         if values[cap] < (1 + self.margin(len(rows))) * values[0]:
             cap = 0
@@ -215,7 +220,8 @@ class GoodputBandit(EpsilonGreedy):
         plan = self.guesses(arm, temperature)
         return plan is not None and len(plan) > min(k, self.top)
 
-    def step_values(self, rows: list[StepRow], step_cost, draft_cost=None, head_cost=None):
+    def step_values(self, rows: list[StepRow], step_cost, draft_cost=None, head_cost=None,
+                    parallel_cost=None):  # fmt: skip
         """([step goodput with adaptive rows capped at c, c = 0..], {adaptive row: `guesses`})."""
         with self._lock:
             plans = {i: self.guesses(r.arm, r.temperature) for i, r in enumerate(rows)
@@ -248,6 +254,8 @@ class GoodputBandit(EpsilonGreedy):
                 cost += shared_passes(head_cost, passes["eagle"])
             if draft_cost:
                 cost += shared_passes(draft_cost, passes["draft"])
+            if parallel_cost:  # one pass over its rows that guess
+                cost += shared_passes(parallel_cost, [min(1.0, g) for g in passes.get("pard", [])])
             return tokens / max(cost, 1e-9)
 
         return [goodput(c) for c in range(top + 1)], plans

@@ -14,7 +14,7 @@ import time
 from ..rows import draft_scores
 from ..sampling import draw, greedy_ids, probabilities_of
 from . import Drafts, full_distribution, steady
-from .draft_model import DraftModelProposer, Drafter
+from .draft_model import Drafter, DraftModelProposer
 
 
 class ParallelProposer(DraftModelProposer):
