@@ -20,8 +20,9 @@ class Section(BaseModel):
 class BanditConfig(Section):
     arms: list[int | str] = Field(
         default_factory=lambda: ["0", "draft:2", "draft:4", "ngram:2", "ngram:4"],  # README
-        description="0 (no drafting), draft:K (the draft model; also K), eagle:K (an EAGLE-3 "
-        "head), ngram:K (prompt lookup); K in 1..16.",
+        description="0 (no drafting), draft:K (the draft model; also K), pard:K (the draft "
+        "trained for parallel drafting: K guesses in one pass), eagle:K (an EAGLE-3 head), "
+        "ngram:K (prompt lookup); K in 1..16.",
     )
     warmup_pulls: int = Field(1, ge=0, description="Pulls of every arm before the schedule.")
     epsilon_start: float = Field(0.3, ge=0, le=1)

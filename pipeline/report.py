@@ -69,8 +69,8 @@ def build_rows(records: list[dict]) -> list[dict]:
 
 
 def position_acceptance(records: list[dict]) -> dict[str, list[float]]:
-    """Per proposer (the draft's name, "<draft>: eagle3 head", or "ngram (no draft)"): the share
-    of proposals accepted at each draft position."""
+    """Per proposer (the draft's name, "<draft>: eagle3 head", "<draft>: parallel", or "ngram (no
+    draft)"): the share of proposals accepted at each draft position."""
     groups: dict[str, list[dict]] = {}
     for r in records:
         if not r["proposed"]:
@@ -80,6 +80,8 @@ def position_acceptance(records: list[dict]) -> dict[str, list[float]]:
             label = "ngram (no draft)"
         elif strategy == "eagle":
             label = f"{r['draft']}: eagle3 head"
+        elif strategy == "pard":
+            label = f"{r['draft']}: parallel"
         else:
             label = r["draft"]
         groups.setdefault(label, []).append(r)
