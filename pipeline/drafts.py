@@ -228,7 +228,7 @@ def _draft_or_head(ws: Workspace, served: ServedDraft) -> ServedDraft:
     best = {
         kind: max((r for r in rows if r["mode"].startswith(prefix)), default=None,
                   key=lambda r: r["tokens_per_second"])
-        for kind, prefix in (("draft", "fixed_"), ("head", "eagle_"))
+        for kind, prefix in (("draft", ("fixed_", "pard_")), ("head", ("eagle_",)))
     }  # fmt: skip
     if best["draft"] is None or best["head"] is None:
         return replace(
@@ -250,9 +250,9 @@ def _draft_or_head(ws: Workspace, served: ServedDraft) -> ServedDraft:
 
 def bench_prior(cfg: Config, ws: Workspace, served: ServedDraft | None) -> tuple[dict, str] | None:
     """The bandit's start (`bandit.bench_prior_rounds`) -> (prior, where from), or None: per
-    strategy key (`draft`, `eagle`, `ngram`; `@bucket` if sampled), (eligible, proposed,
-    accepted) per position summed over the bench's requests of this target (and, for draft and
-    eagle, of these exact weights)."""
+    strategy key (`draft`, `pard`, `eagle`, `ngram`; `@bucket` if sampled), (eligible, proposed,
+    accepted) per position summed over the bench's requests of this target (and, for the draft's
+    and the head's, of these exact weights)."""
     from .speculative.bandit import Context, strategy_of, temperature_bucket
 
     results = ws.bench_results
@@ -271,8 +271,8 @@ def bench_prior(cfg: Config, ws: Workspace, served: ServedDraft | None) -> tuple
         spec, head = Path(served.spec), served.head
         if is_eagle3(served.spec):
             spec, head = None, served.spec
-        if spec is not None and spec.is_dir():
-            weights["draft"] = weights_id(spec)
+        if spec is not None and spec.is_dir():  # its draft:K and pard:K arms alike
+            weights["draft"] = weights["pard"] = weights_id(spec)
         if head is not None and Path(head).is_dir():
             weights["eagle"] = weights_id(Path(head))
     bucket = temperature_bucket(Context(temperature=temperature))
@@ -281,7 +281,8 @@ def bench_prior(cfg: Config, ws: Workspace, served: ServedDraft | None) -> tuple
         s = strategy_of(r.get("arm", "0"))
         if s not in weights:
             continue
-        if s == "draft" and (measured.get("draft_weights") or {}).get(r.get("draft")) != weights[s]:
+        draft_weights = (measured.get("draft_weights") or {}).get(r.get("draft"))
+        if s in ("draft", "pard") and draft_weights != weights[s]:
             continue
         if s == "eagle" and measured.get("head_weights") != weights[s]:
             continue

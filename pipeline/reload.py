@@ -96,6 +96,11 @@ class DraftReloader:
                             "reason": f"{served.spec} is another kind of draft (draft model, "
                             "EAGLE-3 head): restart the server to serve it"}  # fmt: skip
                 pair = apart(lambda: self._load(served, core.pair), "phoenix-draft-load")
+                if core.has_parallel and pair.models.parallel_token is None:
+                    return {"reloaded": False, "draft": old,
+                            "reason": f"{served.spec} names no mask token (pard_token), and "
+                            "this server's pard:K arms need one: restart the server to serve "
+                            "it"}  # fmt: skip
                 waited = core.swap_draft(pair, served.label, served.describe())
             except Exception as exc:  # noqa: BLE001 - whatever failed, the old draft serves on
                 self.metrics.draft_reloads.labels(outcome="failed").inc()
