@@ -5,6 +5,8 @@
                top-N (a teacher endpoint's `top_logprobs`, or the local target cut to N)
     on_policy  the target's distribution on the draft's own continuations (GKD, DistillSpec)
                in a share `train.on_policy_ratio` of batches; kd on the answers in the rest
+    parallel   (train.parallel, with sft) rows carrying mask blocks (`pard`): one cross-entropy
+               over the real next tokens and the masks' labels together
 
 Divergence of the draft's q from the target's p: forward_kl KL(p||q), reverse_kl KL(q||p),
 tv (total variation) or jsd (Jensen-Shannon, beta 0.5). The LM head runs only on scored positions.
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import models
+from . import models, pard
 from .errors import InputError
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "tv", "jsd")
@@ -112,12 +114,15 @@ def teacher_logits(teacher, input_ids, attention_mask, at, position_ids=None) ->
 
 # --- batches ---------------------------------------------------------------------------------
 class Collator:
-    """Right-padded rows -> input_ids, attention_mask, completion_mask, prompt_len, row."""
+    """Right-padded rows -> input_ids, attention_mask, completion_mask, prompt_len, row; parallel
+    rows (`pard.parallel_rows`) -> `pard.collate`'s batch (a 4-D mask, position ids, labels)."""
 
     def __init__(self, pad_id: int):
         self.pad_id = pad_id
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        if "anchor" in rows[0]:
+            return pard.collate(rows, self.pad_id)
         n = max(len(r["input_ids"]) for r in rows)
         ids = torch.full((len(rows), n), self.pad_id, dtype=torch.long)
         att = torch.zeros((len(rows), n), dtype=torch.long)
@@ -178,7 +183,21 @@ def make_trainer_class():
             self._rng = random.Random(self.args.seed)
             self.pad_id = self.data_collator.pad_id
 
+        def _parallel_loss(self, model, b) -> tuple[torch.Tensor, torch.Tensor]:
+            """sft over the real next tokens and the masks' labels; the masks' greedy agreement
+            is logged as `parallel_match`, the real tokens' is returned."""
+            mask = pard.model_mask(b["attention_mask"], self.accelerator.unwrap_model(model))
+            logits, labels, depth = pard.labelled_logits(model, b, mask)
+            loss = F.cross_entropy(logits.float(), labels)
+            hit = logits.argmax(-1) == labels
+            if bool((depth > 0).any()):
+                mode = "train" if model.training else "eval"
+                self._metrics[mode]["parallel_match"].append(hit[depth > 0].float().mean().item())
+            return loss, hit[depth == 0].float().mean()
+
         def _answers_loss(self, model, b) -> tuple[torch.Tensor, torch.Tensor]:
+            if "targets" in b:
+                return self._parallel_loss(model, b)
             at = shifted(b["completion_mask"])
             labels = b["input_ids"][:, 1:][b["completion_mask"][:, 1:].bool()]
             logits = model(
