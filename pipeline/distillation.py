@@ -183,21 +183,14 @@ def make_trainer_class():
             self._rng = random.Random(self.args.seed)
             self.pad_id = self.data_collator.pad_id
 
-        def _parallel_loss(self, model, b) -> tuple[torch.Tensor, torch.Tensor]:
-            """sft over the real next tokens and the masks' labels; the masks' greedy agreement
-            is logged as `parallel_match`, the real tokens' is returned."""
-            mask = pard.model_mask(b["attention_mask"], self.accelerator.unwrap_model(model))
-            logits, labels, depth = pard.labelled_logits(model, b, mask)
-            loss = F.cross_entropy(logits.float(), labels)
-            hit = logits.argmax(-1) == labels
-            if bool((depth > 0).any()):
-                mode = "train" if model.training else "eval"
-                self._metrics[mode]["parallel_match"].append(hit[depth > 0].float().mean().item())
-            return loss, hit[depth == 0].float().mean()
-
         def _answers_loss(self, model, b) -> tuple[torch.Tensor, torch.Tensor]:
-            if "targets" in b:
-                return self._parallel_loss(model, b)
+            if "targets" in b:  # train.parallel: rows with mask blocks
+                loss, match, masks = parallel_loss(model, b, self.accelerator.unwrap_model(model))
+                if masks is not None:
+                    self._metrics["train" if model.training else "eval"]["parallel_match"].append(
+                        masks
+                    )
+                return loss, match
             at = shifted(b["completion_mask"])
             labels = b["input_ids"][:, 1:][b["completion_mask"][:, 1:].bool()]
             logits = model(
@@ -238,6 +231,18 @@ def make_trainer_class():
             return (loss, None) if return_outputs else loss
 
     return DistillTrainer
+
+
+def parallel_loss(model, b: dict, unwrapped) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+    """sft over a parallel batch (`pard.collate`): one cross-entropy over the real next tokens
+    and the masks' labels -> (loss, the real tokens' greedy agreement, the masks' (None: no
+    mask in the batch)). `unwrapped`: `model` out of its DDP wrapper (config readable)."""
+    logits, labels, depth = pard.labelled_logits(
+        model, b, pard.model_mask(b["attention_mask"], unwrapped)
+    )
+    hit = logits.argmax(-1) == labels
+    masks = hit[depth > 0].float().mean().item() if bool((depth > 0).any()) else None
+    return F.cross_entropy(logits.float(), labels), hit[depth == 0].float().mean(), masks
 
 
 def teacher_divergence(s_logits, t_logits, top_k: int | None, kind: str) -> torch.Tensor:

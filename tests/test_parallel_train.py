@@ -103,6 +103,8 @@ def test_training_forward_is_what_inference_sees(tiny_pair, attn):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         checked["mask" if j else "real"] += 1
     assert checked["mask"] >= 8 and checked["real"] >= 8
+    loss, match, masks = distillation.parallel_loss(model, b, model)  # the trainer's loss
+    assert loss.isfinite() and 0 <= match <= 1 and masks is not None
 
 
 def _tok_and_config(vocab_extra: int = 0, spare: str | None = None):
