@@ -200,6 +200,19 @@ class TrainConfig(Section):
     on_policy_temperature: float = Field(
         1.0, ge=0, description="on_policy: the draft's sampling temperature (0: greedy)."
     )
+    parallel: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="K >= 2: the draft also learns to guess K tokens in one pass (PARD: K-1 mask "
+        "tokens after the context); 0: off. sft only; not for models.draft=eagle3.",
+    )
+    parallel_keep: float = Field(
+        1.0, gt=0, le=1, description="parallel: share of answer positions given a mask block."
+    )
+    mask_token: int | str | None = Field(
+        None, description="parallel: the mask token (an id or a token); null: an unused id."
+    )
 
 
 class MergeConfig(Section):
@@ -346,6 +359,19 @@ class Config(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _parallel_trainable(self) -> Config:
+        k, t, why = self.train.parallel, self.train, None
+        if k == 1:
+            why = "adds no mask token (K counts the usual next token): set 0 (off) or 2..16"
+        elif k and t.objective != "sft":
+            why = f"trains with train.objective=sft only (the teacher's tokens), not {t.objective}"
+        elif k and self.models.draft.strip() == "eagle3":
+            why = "teaches a draft model mask blocks; models.draft=eagle3 is a head: set it to 0"
+        if why:
+            raise ValueError(f"train.parallel={k} {why}")
+        return self
+
     def trains_head(self) -> bool:
         """models.head=distilled: train and merge build an EAGLE-3 head beside the draft."""
         return (self.models.head or "").strip() == HEAD_DISTILLED
@@ -359,6 +385,7 @@ class Config(Section):
         raw["train"].update(
             method="full", objective="sft", epochs=t.head_epochs, learning_rate=t.head_learning_rate
         )
+        raw["train"]["parallel"] = 0  # a head guesses through its own steps, not mask blocks
         p = self.publish
         raw["publish"].update(
             name=f"{p.name}-eagle3", repo_id=f"{p.repo_id}-eagle3" if p.repo_id else None

@@ -5,6 +5,8 @@
                top-N (a teacher endpoint's `top_logprobs`, or the local target cut to N)
     on_policy  the target's distribution on the draft's own continuations (GKD, DistillSpec)
                in a share `train.on_policy_ratio` of batches; kd on the answers in the rest
+    parallel   (train.parallel, with sft) rows carrying mask blocks (`pard`): one cross-entropy
+               over the real next tokens and the masks' labels together
 
 Divergence of the draft's q from the target's p: forward_kl KL(p||q), reverse_kl KL(q||p),
 tv (total variation) or jsd (Jensen-Shannon, beta 0.5). The LM head runs only on scored positions.
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import models
+from . import models, pard
 from .errors import InputError
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "tv", "jsd")
@@ -112,12 +114,15 @@ def teacher_logits(teacher, input_ids, attention_mask, at, position_ids=None) ->
 
 # --- batches ---------------------------------------------------------------------------------
 class Collator:
-    """Right-padded rows -> input_ids, attention_mask, completion_mask, prompt_len, row."""
+    """Right-padded rows -> input_ids, attention_mask, completion_mask, prompt_len, row; parallel
+    rows (`pard.parallel_rows`) -> `pard.collate`'s batch (a 4-D mask, position ids, labels)."""
 
     def __init__(self, pad_id: int):
         self.pad_id = pad_id
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        if "anchor" in rows[0]:
+            return pard.collate(rows, self.pad_id)
         n = max(len(r["input_ids"]) for r in rows)
         ids = torch.full((len(rows), n), self.pad_id, dtype=torch.long)
         att = torch.zeros((len(rows), n), dtype=torch.long)
@@ -179,6 +184,13 @@ def make_trainer_class():
             self.pad_id = self.data_collator.pad_id
 
         def _answers_loss(self, model, b) -> tuple[torch.Tensor, torch.Tensor]:
+            if "targets" in b:  # train.parallel: rows with mask blocks
+                loss, match, masks = parallel_loss(model, b, self.accelerator.unwrap_model(model))
+                if masks is not None:
+                    self._metrics["train" if model.training else "eval"]["parallel_match"].append(
+                        masks
+                    )
+                return loss, match
             at = shifted(b["completion_mask"])
             labels = b["input_ids"][:, 1:][b["completion_mask"][:, 1:].bool()]
             logits = model(
@@ -219,6 +231,18 @@ def make_trainer_class():
             return (loss, None) if return_outputs else loss
 
     return DistillTrainer
+
+
+def parallel_loss(model, b: dict, unwrapped) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+    """sft over a parallel batch (`pard.collate`): one cross-entropy over the real next tokens
+    and the masks' labels -> (loss, the real tokens' greedy agreement, the masks' (None: no
+    mask in the batch)). `unwrapped`: `model` out of its DDP wrapper (config readable)."""
+    logits, labels, depth = pard.labelled_logits(
+        model, b, pard.model_mask(b["attention_mask"], unwrapped)
+    )
+    hit = logits.argmax(-1) == labels
+    masks = hit[depth > 0].float().mean().item() if bool((depth > 0).any()) else None
+    return F.cross_entropy(logits.float(), labels), hit[depth == 0].float().mean(), masks
 
 
 def teacher_divergence(s_logits, t_logits, top_k: int | None, kind: str) -> torch.Tensor:

@@ -4,6 +4,7 @@
 
 Reads <artifacts>/adapter/model (+ the base draft); writes <artifacts>/merged/, a plain model
 directory with a README.md model card (no PEFT: vLLM serves it as a draft), then publishes it.
+A parallel draft (train.parallel) keeps its mask id as config.json's `pard_token`.
 """
 
 from __future__ import annotations
@@ -118,6 +119,8 @@ def _fold(cfg: Config, metrics: dict, trained: Path, prompts, device):
         peft_model = PeftModel.from_pretrained(base, str(trained))
         expected = logits_of(peft_model, prompts)
         merged = peft_model.merge_and_unload().to(dtype)
+        if metrics.get("parallel"):  # the base's config, reloaded, lacks the trained mask id
+            merged.config.pard_token = metrics["mask_token"]
     else:
         expected = logits_of(models.load_model(str(trained), "float32", device), prompts)
         merged = models.load_model(str(trained), cfg.models.dtype, device)
@@ -253,8 +256,32 @@ def model_card(cfg: Config, ws: Workspace, metrics: dict, info: dict) -> str:
         "Which k pays at which load depends on the hardware: Phoenix's `tune-vllm` measures it "
         "and writes the `num_speculative_tokens_per_batch_size` schedule.",
         "",
+        *_card_parallel(metrics, target),
     ]
     return "\n".join(lines)
+
+
+def _card_parallel(metrics: dict, target: str) -> list[str]:
+    """The card's section for a parallel draft (train.parallel): how vLLM drafts K in one pass."""
+    k = metrics.get("parallel")
+    if not k:
+        return []
+    spec = json.dumps({"method": "draft_model", "model": "<this directory>",
+                       "num_speculative_tokens": k, "parallel_drafting": True})  # fmt: skip
+    return [
+        "## Serve it in vLLM with parallel drafting",
+        "",
+        f"Trained to guess {k} tokens in one pass: its context, then {k - 1} copies of the mask "
+        f"token (id {metrics['mask_token']}, `pard_token` in config.json) whose logits are "
+        f"guesses 2..{k}. vLLM 0.32 drafts that way with `parallel_drafting` (Phoenix: the "
+        f"`pard:{k}` arm):",
+        "",
+        "```bash",
+        f"python -m vllm.entrypoints.openai.api_server --model {target} \\",
+        f"  --speculative-config '{spec}'",
+        "```",
+        "",
+    ]
 
 
 def _card_table(cfg: Config, ws: Workspace, metrics: dict, info: dict) -> list[str]:

@@ -368,3 +368,44 @@ def is_eagle3(ref: str) -> bool:
         return p.is_file() and json.loads(p.read_text()).get("speculators_model_type") == "eagle3"
     except ValueError:
         return False
+
+
+def parallel_token(tok, config, wanted: int | str | None = None) -> int:
+    """The mask id a parallel draft (PARD) fills its guessed block with. `wanted` None (auto):
+    id len(tok) where the embedding has rows past the tokenizer (an unused row, e.g. Qwen3's
+    padding), else the highest-id added special token that is not eos/bos/pad/unk and whose
+    text the chat template never writes (SmolLM2: `<empty_output>`). An int: that id; a string:
+    that token's id. ConfigError (exit 2) for an id outside [0, config.vocab_size), an unknown
+    token, or no free id."""
+    vocab = int(config.vocab_size)
+    if wanted is None:
+        if vocab > len(tok):
+            return len(tok)
+        reserved = {tok.eos_token_id, tok.bos_token_id, tok.pad_token_id, tok.unk_token_id}
+        template = (
+            tok.chat_template
+            if isinstance(tok.chat_template, str)
+            else str(tok.chat_template or "")
+        )
+        free = [
+            i
+            for i, t in tok.added_tokens_decoder.items()
+            if t.special and i not in reserved and i < vocab and t.content not in template
+        ]
+        if not free:
+            raise ConfigError(
+                f"no unused id for the mask token: the draft's embedding has {vocab} rows, all "
+                "its tokenizer's, and no spare special token; name one (an id or a token "
+                "string that the training data never uses) as the mask token"
+            )
+        return max(free)
+    if isinstance(wanted, str):
+        found = tok.get_vocab().get(wanted)
+        if found is None:
+            raise ConfigError(f"mask token {wanted!r} is not a token of the draft's vocabulary")
+        wanted = found
+    if isinstance(wanted, bool) or not isinstance(wanted, int) or not 0 <= wanted < vocab:
+        raise ConfigError(
+            f"mask token id {wanted!r} is outside the draft's vocabulary [0, {vocab})"
+        )
+    return wanted

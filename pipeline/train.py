@@ -7,6 +7,11 @@ Multi-GPU (DDP, FSDP, DeepSpeed):
 
 Reads <artifacts>/teacher/answers.jsonl; writes <artifacts>/adapter/: checkpoints/, model/ (the
 adapter, or full weights), train_log.jsonl and metrics.json (written last: a finished run).
+
+train.parallel=K (PARD, `pard`): the rows also carry mask blocks and the draft learns to guess K
+tokens in one pass; the mask id (`models.parallel_token`) is saved as the draft config's
+`pard_token` (what vLLM reads) and in metrics.json. With LoRA the mask's embedding row stays as
+the base has it (frozen; the adapted layers learn to read it); full fine-tuning trains it too.
 """
 
 from __future__ import annotations
@@ -19,9 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import distillation, models, specs
+from . import distillation, models, pard, specs
 from .config import Config
-from .errors import InputError
+from .errors import ConfigError, InputError
 from .teacher import load_all_answers
 from .workspace import (
     Workspace,
@@ -188,7 +193,8 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
         raise InputError("no usable training examples: every prompt exceeds train.max_length")
     teacher, sparse, precompute_s = _target_side(cfg, target_ref, tok, rows, sparse, dtype, device)
     ckpt_dir = ws.adapter / "checkpoints"
-    trainer = _make_trainer(cfg, model, tok, rows, teacher, sparse, ckpt_dir, on_gpu)
+    fed = _parallel_rows(cfg, tok, model, rows)
+    trainer = _make_trainer(cfg, model, tok, fed, teacher, sparse, ckpt_dir, on_gpu)
     resume = last_complete_checkpoint(ckpt_dir)
     if resume:
         log.info("train: resuming from %s", resume)
@@ -224,12 +230,44 @@ def _train(cfg: Config, ws: Workspace, answers: list[dict], inputs: dict) -> dic
         "total_parameters": total,
         "device": "cuda" if on_gpu else "cpu",
         "world_size": trainer.args.world_size,
+        **_parallel_fields(cfg, model, history),
         **_inputs_fields(inputs),
     }
     atomic_write_json(ws.adapter / "metrics.json", metrics)
     log.info("train: done: loss %s -> %s over %d steps",
              metrics["first_loss"], metrics["last_loss"], metrics["global_steps"])  # fmt: skip
     return metrics
+
+
+def _parallel_rows(cfg: Config, tok, model, rows: list[dict]) -> list[dict]:
+    """The rows the trainer sees: with train.parallel, each with its mask blocks (`pard`), the
+    mask id set as `model.config.pard_token` (saved with the draft); else `rows` as they are."""
+    t = cfg.train
+    if not t.parallel:
+        return rows
+    try:
+        mask_id = models.parallel_token(tok, model.config, t.mask_token)
+    except ConfigError as exc:
+        raise ConfigError(f"train.mask_token={t.mask_token}: {exc}") from exc
+    model.config.pard_token = mask_id
+    fed = pard.parallel_rows(rows, t.parallel, t.parallel_keep, mask_id, t.seed)
+    masks = sum(len(p["input_ids"]) - len(r["input_ids"]) for p, r in zip(fed, rows, strict=True))
+    log.info("train: parallel K=%d, mask token %d (%r), %d mask positions over %d rows",
+             t.parallel, mask_id, tok.convert_ids_to_tokens(mask_id), masks, len(rows))  # fmt: skip
+    return fed
+
+
+def _parallel_fields(cfg: Config, model, history: list[dict]) -> dict[str, Any]:
+    """metrics.json's record of parallel training: K, the mask id (merge sets it as the merged
+    config's `pard_token`), the masks' last greedy agreement with their labels."""
+    if not cfg.train.parallel:
+        return {"parallel": 0, "mask_token": None}
+    matches = [h["parallel_match"] for h in history if "parallel_match" in h]
+    return {
+        "parallel": cfg.train.parallel,
+        "mask_token": model.config.pard_token,
+        "parallel_match_last": matches[-1] if matches else None,
+    }
 
 
 def _target_side(
