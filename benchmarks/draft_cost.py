@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     cfg = load_config(args.config, args.sets)
     ws = Workspace(args.artifacts)
-    served = drafts.resolve_served(cfg, ws, "distilled")
+    served = drafts.resolve_served(cfg, ws, "latest")
     pair = models.load_pair(cfg, ws, served.spec, head_dir=None)
     if pair.models.parallel_token is None:
         raise SystemExit(f"{served.spec}: its config names no pard_token (train.parallel)")
