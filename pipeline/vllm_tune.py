@@ -2,8 +2,9 @@
 
     python -m pipeline tune-vllm --config FILE           # measure each k, learn the schedule
 
-One vLLM per arm (`vllm.tune_ks`, `vllm.tune_ngram_ks`; 0: no speculation), swept over
-`vllm.tune_concurrency`; the schedule (`best_schedule`) is checked by a last sweep. Writes
+One vLLM per arm (`vllm.tune_ks`, `vllm.tune_ngram_ks`; 0: no speculation; a draft whose config
+names a mask token, `pard_token`, also at each k of `vllm.tune_ks` drafting in one pass: `pard:K`),
+swept over `vllm.tune_concurrency`; the schedule (`best_schedule`) is checked by a last sweep. Writes
 <artifacts>/vllm/: tune.json, schedule.json (read by `serve --engine vllm`), report.md, a plot.
 """
 
@@ -21,11 +22,12 @@ from .artifacts import weights_id
 from .config import Config
 from .vllm import (
     VllmServer,
+    arm_config,
     command,
     draft_dir,
     method_for,
+    parallel_draft,
     schedule_file,
-    speculative_config,
     target_dir,
     vllm_python,
 )
@@ -96,6 +98,8 @@ def tune(cfg: Config, ws: Workspace) -> dict[str, Any]:
     arms = [("0", None, 0)]
     kind = "eagle" if method_for("draft", draft) == "eagle3" else "draft"
     arms += [(f"{kind}:{k}", "draft", k) for k in v.tune_ks if k]
+    if kind == "draft" and parallel_draft(draft):  # a PARD draft: also each k in one pass
+        arms += [(f"pard:{k}", "pard", k) for k in v.tune_ks if k]
     arms += [(f"ngram:{k}", "ngram", k) for k in v.tune_ngram_ks]
     results: dict[str, Any] = {"draft": served.describe(), "target": cfg.models.target,
                                "concurrency": v.tune_concurrency, "arms": {}}  # fmt: skip
@@ -105,7 +109,7 @@ def tune(cfg: Config, ws: Workspace) -> dict[str, Any]:
         return measure(cfg, target, spec, log_path, prompts, label)
 
     for label, strategy, k in arms:
-        spec = speculative_config(method_for(strategy, draft), draft, k)
+        spec = arm_config(strategy, draft, k)
         results["arms"][label] = sweep(label, spec)
         atomic_write_json(out_dir / "tune.json", results)  # each arm kept as it finishes
 
@@ -119,7 +123,7 @@ def tune(cfg: Config, ws: Workspace) -> dict[str, Any]:
     }
     strategy, schedule = choose_method(table, v.tune_margin) if table else ("draft", [[1, 1024, 0]])
     top = max(r[2] for r in schedule)
-    spec = speculative_config(method_for(strategy, draft), draft, top, schedule) if top else None
+    spec = arm_config(strategy, draft, top, schedule) if top else None
     results["schedule"] = {"strategy": strategy, "ranges": schedule}
     results["arms"]["schedule"] = sweep("schedule", spec)
     results["verdict"] = schedule_verdict(results)
