@@ -93,6 +93,24 @@ def test_a_parallel_arm_is_vllms_draft_model_drafting_in_parallel(tmp_path):
     ]  # fmt: skip
 
 
+def test_tune_vllm_measures_a_pard_draft_also_drafting_in_parallel(tmp_path):
+    """tune-vllm's arms: a draft naming a mask token also as pard:K at each k of
+    vllm.tune_ks; one without, as before; a broken one refused before any vLLM starts."""
+    from pipeline.config import load_config
+
+    cfg = load_config("configs/ci.yaml", ["vllm.tune_ks=[0,2,4]", "vllm.tune_ngram_ks=[3]"])
+    pard = draft_with(tmp_path / "pard", pard_token=16)
+    arms = vllm_tune.tune_arms(cfg, pard)
+    assert [a[0] for a in arms] == ["0", "draft:2", "draft:4", "pard:2", "pard:4", "ngram:3"]
+    assert arms[0][3] is None and arms[4][3] == vllm.arm_config("pard", pard, 4)
+    assert "parallel_drafting" not in arms[2][3] and arms[4][3]["parallel_drafting"]
+    plain = draft_with(tmp_path / "plain")
+    assert [a[0] for a in vllm_tune.tune_arms(cfg, plain)] == ["0", "draft:2", "draft:4", "ngram:3"]
+    other = draft_with(tmp_path / "other", mask_token_id=5, pard_token=16)
+    with pytest.raises(ConfigError, match="vLLM reads the mask id from `mask_token_id`"):
+        vllm_tune.tune_arms(cfg, other)
+
+
 def test_a_draft_vllm_cannot_draft_in_parallel_with_is_refused_naming_it(tmp_path):
     plain = draft_with(tmp_path / "plain")
     assert not vllm.parallel_draft(plain) and not vllm.parallel_draft(str(tmp_path / "none"))
