@@ -153,6 +153,28 @@ def test_serve_engine_vllm_pard_without_a_mask_token_exits_2_before_vllm_starts(
     assert r.returncode == 2 and "pard:K with K an integer in 1..16" in r.log
 
 
+def test_serving_load_checks_its_vllm_arms_before_anything_runs(tmp_path):
+    """`serving_load --vllm 0 draft:2 pard:2`: each arm's --speculative-config, built before
+    Phoenix's sweep; a pard arm on a draft without a mask token stops it there, naming both."""
+    import argparse
+
+    from benchmarks import serving_load
+    from pipeline.config import load_config
+    from pipeline.workspace import Workspace
+
+    cfg, ws = load_config("configs/ci.yaml", []), Workspace(tmp_path / "art")
+    arms = serving_load.vllm_arms(argparse.Namespace(vllm=["0", "draft:2"]), cfg, ws)
+    draft = arms["specs"]["draft:2"]["model"]
+    assert arms["specs"] == {"0": None, "draft:2": vllm.speculative_config("draft_model", draft, 2)}
+    with pytest.raises(SystemExit) as stop:
+        serving_load.vllm_arms(argparse.Namespace(vllm=["0", "pard:2"]), cfg, ws)
+    assert str(stop.value).startswith(f"--vllm pard:2: draft {draft} has no mask token")
+    config = json.loads((Path(draft) / "config.json").read_text())
+    (Path(draft) / "config.json").write_text(json.dumps({**config, "pard_token": 3}))
+    arms = serving_load.vllm_arms(argparse.Namespace(vllm=["pard:2"]), cfg, ws)
+    assert arms["specs"]["pard:2"]["parallel_drafting"] is True
+
+
 def test_a_win_within_the_margin_is_not_worth_speculating():
     table = {0: {1: 36.2, 2: 66.6, 8: 158.5}, 1: {1: 35.9, 2: 68.5, 8: 172.0}}
     assert vllm_tune.best_schedule(table) == [[1, 1, 0], [2, 1024, 1]]
