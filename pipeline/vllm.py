@@ -30,7 +30,7 @@ from . import models, specs
 from .artifacts import weights_id
 from .config import Config
 from .errors import ConfigError, PhoenixError
-from .speculative.arms import MAX_K
+from .speculative.arms import MAX_K, parse_arm
 from .subprocs import PREEXEC, free_port, stop_group
 from .workspace import Workspace
 
@@ -320,12 +320,15 @@ def mask_token(draft: str | None) -> int:
 # --- serve --engine vllm --------------------------------------------------------------------------
 def parallel_k(mode: str | None) -> int | None:
     """`pard:K` -> K (ConfigError, exit 2, unless 1 <= K <= MAX_K); any other mode: None."""
-    strategy, _, k_text = (mode or "").partition(":")
-    if strategy != "pard":
+    if (mode or "").partition(":")[0].strip() != "pard":
         return None
-    if not k_text.strip().isdigit() or not 1 <= int(k_text) <= MAX_K:
+    try:
+        k = parse_arm(mode).k
+    except ValueError:
+        k = 0
+    if k == 0:
         raise ConfigError(f"bad mode {mode!r}: pard:K with K an integer in 1..{MAX_K}")
-    return int(k_text)
+    return k
 
 
 def served_spec(cfg: Config, ws: Workspace, mode: str | None) -> dict | None:
