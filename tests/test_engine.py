@@ -161,16 +161,22 @@ def test_the_draft_guesses_its_own_greedy_continuation_after_every_rollback(pair
     batch = RowBatch(cut, max_rows=2)
     rows = batch.join([(i, ids_for(tok, t), 20, parse_arm("draft:3"))
                        for i, t in enumerate(PROMPTS[:2])])  # fmt: skip
+    checked = steps_checking(batch, rows, lambda seq, n: target_greedy(draft, seq, n, -1))
+    assert checked > 4
+
+
+def steps_checking(batch, rows, expect) -> int:
+    """Step `batch` to the end; at each step every guessing row's guesses must equal
+    `expect(its sequence before the step, how many it guessed)`. Returns the checks made."""
     checked = 0
     while batch.rows:
         seqs = {id(r): list(r.seq) for r in batch.rows}
         batch.step()
         for r in rows:
             if id(r) in seqs and r.drafts:
-                want = target_greedy(draft, seqs[id(r)], len(r.drafts), -1)
-                assert r.drafts == want
+                assert r.drafts == expect(seqs[id(r)], len(r.drafts))
                 checked += 1
-    assert checked > 4
+    return checked
 
 
 def test_the_parallel_draft_guesses_what_a_fresh_pass_over_the_masks_gives(tiny_models, parallel):
@@ -183,17 +189,13 @@ def test_the_parallel_draft_guesses_what_a_fresh_pass_over_the_masks_gives(tiny_
     batch = RowBatch(models, max_rows=3)
     rows = batch.join([(i, ids_for(tok, t), 20, parse_arm(f"pard:{k}"))
                        for i, (t, k) in enumerate(zip(PROMPTS, (3, 1, 4), strict=True))])  # fmt: skip
-    checked = 0
-    while batch.rows:
-        seqs = {id(r): list(r.seq) for r in batch.rows}
-        batch.step()
-        for r in rows:
-            if id(r) in seqs and r.drafts:
-                fed = seqs[id(r)] + [MASK] * (len(r.drafts) - 1)
-                with torch.no_grad():
-                    logits = draft(torch.tensor([fed])).logits[0]
-                assert r.drafts == logits[-len(r.drafts) :].argmax(-1).tolist()
-                checked += 1
+
+    def fresh(seq, n):
+        with torch.no_grad():
+            logits = draft(torch.tensor([seq + [MASK] * (n - 1)])).logits[0]
+        return logits[-n:].argmax(-1).tolist()
+
+    checked = steps_checking(batch, rows, fresh)
     assert checked > 8
 
 
