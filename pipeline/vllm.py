@@ -30,7 +30,7 @@ from . import models, specs
 from .artifacts import weights_id
 from .config import Config
 from .errors import ConfigError, PhoenixError
-from .speculative.arms import MAX_K, parse_arm
+from .speculative.arms import MAX_K, PARALLEL_KEYS, parallel_token, parse_arm
 from .subprocs import PREEXEC, free_port, stop_group
 from .workspace import Workspace
 
@@ -234,7 +234,6 @@ METHODS = {"draft": "draft_model", "pard": "draft_model", "ngram": "ngram"}
 # (`llm_base_proposer._init_parallel_drafting_params`); Phoenix's drafts carry `pard_token`.
 MASK_KEYS = ("dflash_config.mask_token_id", "mask_token_id", "dspark_noise_token_id",
              "pard_token", "ptd_token_id")  # fmt: skip
-PARD_KEYS = ("pard_token", "ptd_token_id")
 
 
 def method_for(strategy: str | None, draft: str | None) -> str | None:
@@ -280,9 +279,9 @@ def draft_config(draft: str | None) -> dict:
 
 
 def parallel_draft(draft: str | None) -> bool:
-    """Whether a draft's config names a mask token for parallel drafting (`PARD_KEYS`)."""
+    """Whether a draft's config names a mask token for parallel drafting (`PARALLEL_KEYS`)."""
     try:
-        return any(key in _mask_keys(draft_config(draft)) for key in PARD_KEYS)
+        return any(key in _mask_keys(draft_config(draft)) for key in PARALLEL_KEYS)
     except ConfigError:
         return False
 
@@ -293,22 +292,18 @@ def mask_token(draft: str | None) -> int:
     where the id is not an int in [0, vocab_size), or where a key vLLM reads first
     (`mask_token_id`, ...) holds another id (vLLM would draft with that one)."""
     config = draft_config(draft)
-    found = _mask_keys(config)
-    ours = next((k for k in PARD_KEYS if k in found), None)
-    if ours is None:
+    try:
+        token = parallel_token(config)
+    except ValueError as exc:
+        raise ConfigError(f"draft {draft}: {exc}") from None
+    if token is None:
         raise ConfigError(
             f"draft {draft} has no mask token for parallel drafting: its config.json lacks "
             f"`pard_token` (nor `ptd_token_id`); train it with train.parallel > 0, or serve "
             f"it as draft:K"
         )
-    token, vocab = found[ours], config.get("vocab_size")
-    ints = isinstance(token, int) and not isinstance(token, bool) and isinstance(vocab, int)
-    if not (ints and 0 <= token < vocab):
-        raise ConfigError(
-            f"draft {draft}: `{ours}` = {token!r} is not a token id in its vocabulary "
-            f"[0, vocab_size={vocab})"
-        )
-    first = next(iter(found))
+    found = _mask_keys(config)
+    first, ours = next(iter(found)), next(k for k in PARALLEL_KEYS if k in found)
     if found[first] != token:
         raise ConfigError(
             f"draft {draft}: vLLM reads the mask id from `{first}` = {found[first]!r} before "

@@ -206,6 +206,7 @@ def test_a_self_draft_with_untrained_masks_is_right_only_at_its_first_guess(tiny
     r = generate(parallel[1], ids_for(tok, PROMPTS[2]), parse_arm("pard:4"), 30)
     assert r.accepted_per_position[0] == r.eligible_per_position[0] > 0
     assert r.proposed_per_position[1] > 0
+    assert r.accepted_per_position[1] < r.accepted_per_position[0] / 2
 
 
 def test_arm_zero_does_no_draft_work(pairs):

@@ -71,6 +71,26 @@ def parse_arm(value: int | str | Arm) -> Arm:
     return Arm(strategy, k)
 
 
+PARALLEL_KEYS = ("pard_token", "ptd_token_id")  # where a draft names its mask id, in vLLM's order
+
+
+def parallel_token(config: dict) -> int | None:
+    """The mask id a draft's config (config.json as a dict) names for `pard:K`
+    (`PARALLEL_KEYS`), else None; ValueError, naming the key, if it is not an id in
+    [0, vocab_size)."""
+    for key in PARALLEL_KEYS:
+        value, vocab = config.get(key), config.get("vocab_size")
+        if value is None:
+            continue
+        ints = isinstance(value, int) and not isinstance(value, bool) and isinstance(vocab, int)
+        if not (ints and 0 <= value < vocab):
+            raise ValueError(
+                f"`{key}` = {value!r} is not a token id in its vocabulary [0, vocab_size={vocab})"
+            )
+        return value
+    return None
+
+
 def usable(value, has_draft: bool, has_head: bool = False, has_parallel: bool = False) -> bool:
     """Whether an engine with (or without) a draft model, an EAGLE-3 head and a draft trained for
     parallel drafting can run the arm."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .arms import parallel_token
 from .propose.draft_model import Drafter
 
 
@@ -13,28 +14,10 @@ def context_limit(*models) -> int | None:
     return min((x for x in limits if x), default=None)
 
 
-PARALLEL_KEYS = ("pard_token", "ptd_token_id")  # the mask id's keys, in vLLM's order
-
-
-def parallel_token(draft) -> int | None:
-    """The mask id a draft trained for parallel drafting names in its config (`PARALLEL_KEYS`),
-    else None; ValueError if it lies outside the draft's vocabulary."""
-    for key in PARALLEL_KEYS:
-        value = getattr(draft.config, key, None)
-        if value is None:
-            continue
-        vocab = draft.config.vocab_size
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab:
-            raise ValueError(
-                f"the draft's {key} ({value!r}) is not a token id of its vocabulary [0, {vocab})"
-            )
-        return value
-    return None
-
-
 class Models:
     """A target, optional draft (`drafter`, pruned head `draft_token_ids`, the mask id
-    `parallel_token` if trained for parallel drafting) and EAGLE-3 head, on one device. Invariants: vocabularies match the target's; `max_context` is the shortest."""
+    `parallel_token` if trained for parallel drafting) and EAGLE-3 head, on one device.
+    Invariants: vocabularies match the target's; `max_context` is the shortest."""
 
     def __init__(
         self,
@@ -67,7 +50,7 @@ class Models:
         self.device = next(target.parameters()).device
         self.max_context = context_limit(target, draft)
         self.drafter = Drafter(draft, draft_token_ids) if draft is not None else None
-        self.parallel_token = parallel_token(draft) if draft is not None else None
+        self.parallel_token = None if draft is None else parallel_token(draft.config.to_dict())
 
     @property
     def draft_head_ids(self) -> list[int] | None:
